@@ -1,0 +1,158 @@
+"""Models: architecture, exact numerics against yolov5 fixtures, config errors, checkpoint import."""
+import math
+import pickle
+
+import pytest
+import torch
+import torch.nn as nn
+
+from yolo_min.models import CFG_DIR, Model, load_model
+
+ATOL = 1e-4
+
+
+def close(a, b, atol=ATOL, rtol=1e-6):
+    torch.testing.assert_close(a, b, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("name, task", [("yolov5n", "detect"), ("yolov5n-seg", "segment")])
+def test_fixture_outputs(fixtures_dir, name, task):
+    fx = torch.load(fixtures_dir / f"{name}_model.pt", weights_only=True)
+    model = Model(f"{name}.yaml")
+    assert model.task == task
+    assert sum(p.numel() for p in model.parameters()) == fx["param_count"]
+    model.load_state_dict(fx["state_dict"], strict=True)
+    close(model.model[-1].anchors, fx["anchors_grid_units"])
+    assert model.stride.tolist() == list(fx["stride"])
+    model.eval()
+    with torch.no_grad():
+        out = model(fx["input"])
+    if task == "segment":
+        decoded, protos = out
+        close(protos, fx["eval_protos"])
+    else:
+        decoded = out
+    assert decoded.shape == fx["eval_out"].shape
+    close(decoded, fx["eval_out"])
+
+    model.train()  # train mode: BatchNorm on batch statistics, raw maps
+    with torch.no_grad():
+        out = model(fx["input"])
+    maps = out[0] if task == "segment" else out
+    if task == "segment":
+        close(out[1], fx["train_protos"], rtol=1e-4)
+    assert len(maps) == 3
+    for got, want in zip(maps, fx["train_out"]):
+        assert got.shape == want.shape
+        close(got, want)
+
+
+def test_param_counts_nc3():
+    assert sum(p.numel() for p in Model("yolov5n.yaml", nc=3).parameters()) == 1_767_976
+    assert sum(p.numel() for p in Model("yolov5n-seg.yaml", nc=3).parameters()) == 1_887_368
+
+
+def test_all_shipped_configs_build():
+    names = sorted(p.stem for p in CFG_DIR.glob("*.yaml"))
+    assert names == sorted(f"yolov5{s}{t}" for s in "nsmlx" for t in ("", "-seg"))
+    m = Model("yolov5s-seg.yaml", nc=2)
+    assert m.task == "segment" and m.model[-1].proto.cv1.conv.out_channels == 128  # 256 * 0.5
+
+
+def test_output_shapes_and_modes():
+    model = Model("yolov5n-seg.yaml", nc=3)
+    x = torch.rand(2, 3, 64, 96)
+    maps, protos = model(x)
+    assert [tuple(m.shape) for m in maps] == [(2, 3, 8, 12, 40), (2, 3, 4, 6, 40), (2, 3, 2, 3, 40)]
+    assert protos.shape == (2, 32, 16, 24)
+    model.eval()
+    decoded, protos = model(x)
+    assert decoded.shape == (2, 3 * (96 + 24 + 6), 40) and protos.shape == (2, 32, 16, 24)
+    det = Model("yolov5n.yaml", nc=3).eval()
+    assert det(x).shape == (2, 378, 8)
+
+
+def test_fresh_init_follows_yolov5():
+    model = Model("yolov5n.yaml", nc=80)
+    bns = [m for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
+    assert bns and all(m.eps == 1e-3 and m.momentum == 0.03 for m in bns)
+    head = model.model[-1]
+    for conv, s in zip(head.m, head.stride):
+        b = conv.bias.detach().view(head.na, -1)
+        bound = 1 / math.sqrt(conv.in_channels)  # PyTorch's default bias init is U(-bound, bound)
+        obj = b[:, 4] - math.log(8 / (640 / s) ** 2)
+        cls = b[:, 5:] - math.log(0.6 / (80 - 0.99999))
+        assert obj.abs().max() <= bound and cls.abs().max() <= bound
+
+
+def test_fuse_keeps_outputs():
+    model = Model("yolov5n-seg.yaml", nc=4).eval()
+    for m in model.modules():  # non-trivial BN statistics
+        if isinstance(m, nn.BatchNorm2d):
+            m.running_mean.uniform_(-0.5, 0.5)
+            m.running_var.uniform_(0.5, 2.0)
+    x = torch.rand(1, 3, 64, 64)
+    with torch.no_grad():
+        before = model(x)
+        after = model.fuse()(x)
+    close(after[0], before[0])
+    close(after[1], before[1])
+    assert not any(isinstance(m, nn.BatchNorm2d) for m in model.modules())
+
+
+def test_info_line():
+    line = Model("yolov5n.yaml").info()
+    assert "1,872,157 parameters" in line and "4.5 GFLOPs" in line
+
+
+def cfg_dict(**changes):
+    import yaml
+    d = yaml.safe_load((CFG_DIR / "yolov5n.yaml").read_text())
+    d.update(changes)
+    return d
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda d: d["head"].__setitem__(0, [-1, 1, "Foo", [512]]), "layer 10: unknown module 'Foo'"),
+    (lambda d: d["head"].__setitem__(2, [[-1, 99], 1, "Concat", [1]]), "layer 12 (Concat): bad 'from'"),
+    (lambda d: d.pop("anchors"), "missing key 'anchors'"),
+    (lambda d: d["backbone"].__setitem__(1, [-1, 1, "Conv"]), "layer 1: expected [from, repeats, module, args]"),
+])
+def test_parse_errors(mutate, message):
+    d = cfg_dict()
+    mutate(d)
+    with pytest.raises(ValueError, match=None) as info:
+        Model(d)
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_parse_error_names_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text((CFG_DIR / "yolov5n.yaml").read_text().replace("SPPF", "SPPX"))
+    with pytest.raises(ValueError, match=r"bad\.yaml: layer 9: unknown module 'SPPX'"):
+        Model(bad)
+    with pytest.raises(FileNotFoundError, match="yolov5q.yaml"):
+        Model("yolov5q.yaml")
+
+
+def test_load_yolov5_checkpoint(fixtures_dir):
+    model = load_model(fixtures_dir / "yolov5n_random_v5format.pt")
+    expected = torch.load(fixtures_dir / "yolov5n_random_v5format_expected.pt", weights_only=True)
+    assert not model.training and model.task == "detect"
+    with torch.no_grad():
+        close(model(expected["input"]), expected["eval_out"])
+
+
+class _Evil:
+    def __reduce__(self):
+        import os
+        return os.system, ("touch PWNED_MARKER",)
+
+
+def test_malicious_checkpoint_refused(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "evil.pt"
+    torch.save({"model": _Evil()}, path)
+    with pytest.raises(ValueError, match=r"evil\.pt: refusing to load '(posix|os)\.system'"):
+        load_model(path)
+    assert not (tmp_path / "PWNED_MARKER").exists()
