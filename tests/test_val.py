@@ -1,0 +1,147 @@
+"""val.py: evaluate() through the real data pipeline with an oracle model (checked against pycocotools on
+the written predictions.json), and the command line end to end on real checkpoints."""
+import contextlib
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+import val
+from yolo_min.datasets import YOLODataset, build_dataloader, load_data_config
+from yolo_min.models import Model
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Oracle(nn.Module):
+    """Stands in for a network: replays the loader's labels as decoded predictions (jittered, random scores,
+    one miss per image, a few false positives); for segmentation, prototype k is the k-th GT mask."""
+
+    def __init__(self, dataset, batch_size, task, nc=80, nm=32):
+        super().__init__()
+        self.task, self.nc, self.nm = task, nc, nm if task == "segment" else 0
+        self.model = [SimpleNamespace(nm=self.nm)]
+        self.batches = iter(build_dataloader(dataset, batch_size, workers=0, shuffle=False)[0])
+        self.anchor = nn.Parameter(torch.zeros(1))  # gives evaluate() a device
+        self.rng = np.random.default_rng(0)
+
+    def forward(self, images):
+        batch, rng = next(self.batches), self.rng
+        bs, _, h, w = images.shape
+        preds = torch.zeros(bs, 40, 5 + self.nc + self.nm)
+        for i in range(bs):
+            t = batch["targets"][batch["targets"][:, 0] == i]
+            for k, (_, c, cx, cy, bw, bh) in enumerate(t.tolist()[:30]):
+                if k == 1:
+                    continue  # a miss
+                s = rng.uniform(0.0, 0.08)
+                box = [(cx + rng.normal() * s * bw) * w, (cy + rng.normal() * s * bh) * h,
+                       bw * np.exp(rng.normal() * s) * w, bh * np.exp(rng.normal() * s) * h]
+                preds[i, k, :5] = torch.tensor([*box, 1.0])
+                preds[i, k, 5 + int(c)] = rng.uniform(0.05, 1.0)
+                if self.nm:
+                    preds[i, k, 5 + self.nc + k] = 1.0
+            for k in range(30, 33):  # false positives
+                preds[i, k, :5] = torch.tensor([rng.uniform(10, w - 10), rng.uniform(10, h - 10), 20, 20, 1.0])
+                preds[i, k, 5 + int(rng.integers(0, self.nc))] = rng.uniform(0.05, 1.0)
+        if self.task == "detect":
+            return preds
+        masks = batch["masks"]  # (bs, h/4, w/4) overlap index maps, value k+1 = k-th target
+        protos = torch.stack([(masks == k + 1).float() * 20 - 10 for k in range(self.nm)], 1)
+        return preds, protos
+
+
+def cocoeval(gt_file, pred_file, iou_type):
+    coco, cocoeval = pytest.importorskip("pycocotools.coco"), pytest.importorskip("pycocotools.cocoeval")
+    with contextlib.redirect_stdout(io.StringIO()):
+        gt = coco.COCO(str(gt_file))
+        ev = cocoeval.COCOeval(gt, gt.loadRes(str(pred_file)), iou_type)
+        ev.evaluate()
+        ev.accumulate()
+        ev.summarize()
+    return ev.stats[0], ev.stats[1]
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("name, task", [("coco8", "detect"), ("coco8-seg", "segment")])
+def test_evaluate_oracle_matches_pycocotools_on_predictions_json(data_dir, tmp_path, name, task):
+    data = load_data_config(str(data_dir / f"{name}.yaml"))
+    dataset = YOLODataset(data["val"], imgsz=160, task=task, rect=True, batch_size=2, stride=32, nc=80)
+    loader, _ = build_dataloader(dataset, 2, workers=0, shuffle=False)
+    model = Oracle(dataset, 2, task)
+    res = val.evaluate(model, loader, dataset, device="cpu", save_json=tmp_path / "p.json", names=data["names"])
+    assert res["images"] == 4 and res["instances"] == 17 and set(res["speed"]) == {"preprocess", "inference", "nms"}
+    gt_file = data_dir / name / "annotations/instances_val.json"
+    ap, ap50 = cocoeval(gt_file, tmp_path / "p.json", "bbox")
+    assert 0.2 < ap < 0.95
+    assert res["box"]["mAP50-95"] == pytest.approx(ap, abs=1e-3)  # GT: label files here, json there
+    assert res["box"]["mAP50"] == pytest.approx(ap50, abs=1e-3)
+    assert 0 < res["box"]["P"] <= 1 and 0 < res["box"]["R"] < 1
+    if task == "segment":
+        ap, ap50 = cocoeval(gt_file, tmp_path / "p.json", "segm")
+        assert 0.1 < ap < 0.95
+        assert res["mask"]["mAP50-95"] == pytest.approx(ap, abs=0.005)
+        assert res["mask"]["mAP50"] == pytest.approx(ap50, abs=0.005)
+        want = sum(0.1 * res[k]["mAP50"] + 0.9 * res[k]["mAP50-95"] for k in ("box", "mask"))
+        assert res["fitness"] == pytest.approx(want)
+    again = val.evaluate(Oracle(dataset, 2, task), loader, dataset, device="cpu")  # no json: pruned mask work
+    assert {k: again[k] for k in ("box", "mask") if k in res} == {k: res[k] for k in ("box", "mask") if k in res}
+    table = val.format_table(res, data["names"], verbose=True)
+    assert "person" in table and len(table.splitlines()) == 2 + len(res["per_class"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["yolov5", "yolo_min-seg"])
+def test_val_main_on_checkpoints(fixtures_dir, data_dir, tmp_path, kind):
+    if kind == "yolov5":
+        weights, data = fixtures_dir / "yolov5n_random_v5format.pt", data_dir / "coco8.yaml"
+    else:
+        model = Model("yolov5n-seg.yaml", nc=80)
+        weights, data = tmp_path / "seg.pt", data_dir / "coco8-seg.yaml"
+        torch.save({"model_cfg": model.yaml, "model": model.state_dict(), "ema": None, "names": model.names,
+                    "task": model.task}, weights)
+    args = val.get_args_parser().parse_args(
+        ["--weights", str(weights), "--data", str(data), "--imgsz", "96", "--batch-size", "2", "--device", "cpu",
+         "--workers", "0", "--conf-thres", "0.0001", "--max-det", "100", "--save-json", "--coco-ids", "--plots",
+         "--verbose",
+         "--project", str(tmp_path / "runs"), "--name", "exp"])
+    res = val.main(args)
+    out = tmp_path / "runs" / "exp"
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["images"] == 4 and metrics["instances"] == 17
+    assert set(metrics["box"]) == {"P", "R", "mAP50", "mAP50-95"} and metrics["box"] == res["box"]
+    assert ("mask" in metrics) == (kind != "yolov5")
+    preds = json.loads((out / "predictions.json").read_text())
+    assert preds and {p["image_id"] for p in preds} <= {36, 42, 49, 61}
+    assert all(p["category_id"] in val.COCO91_IDS and len(p["bbox"]) == 4 for p in preds)
+    assert all("segmentation" in p for p in preds) == (kind != "yolov5")
+    assert (out / "val_batch0_labels.jpg").exists() and (out / "val_batch0_pred.jpg").exists()
+
+
+def test_save_dir_increments(tmp_path):
+    assert val._save_dir(str(tmp_path), "exp", False) == tmp_path / "exp"
+    assert val._save_dir(str(tmp_path), "exp", False) == tmp_path / "exp2"
+    assert val._save_dir(str(tmp_path), "exp", True) == tmp_path / "exp"
+
+
+@pytest.mark.slow
+def test_val_under_torchrun_equals_one_process(fixtures_dir, data_dir, tmp_path):
+    # batch 3 over 2 ranks: rank 0 scores images 0-2, rank 1 image 3; each rank must print the 1-process numbers
+    common = [str(ROOT / "val.py"), "--weights", str(fixtures_dir / "yolov5n_random_v5format.pt"),
+              "--data", str(data_dir / "coco8.yaml"), "--imgsz", "96", "--batch-size", "3", "--device", "cpu",
+              "--workers", "0", "--conf-thres", "0.0001", "--project", str(tmp_path)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, *common, "--name", "one"], check=True, env=env, cwd=ROOT, capture_output=True)
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          *common, "--name", "two"], env=env, cwd=ROOT, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    one, two = (json.loads((tmp_path / n / "metrics.json").read_text()) for n in ("one", "two"))
+    assert two["images"] == 4 and two["box"] == one["box"] and one["box"]["mAP50"] > 0
