@@ -1,0 +1,124 @@
+"""Benchmark: train.py's whole training loop against the model-only step rate, YOLOv5n det and seg.
+
+Each case (task x imgsz) runs in a fresh child process, so its peak RSS is its own:
+  full loop   train.main on coco128 (or coco128-seg), batch 16, 2 workers, 1 epoch = 8 iterations
+              (the first, with worker start-up, is left out); validation on coco8 keeps the run short.
+  model-only  forward + loss + backward + optimizer step on 16-image batches taken from the same
+              dataset beforehand (no data loading, no EMA, no logging), in the same process afterwards.
+Prints img/s of both, their ratio and the peak RSS of the training process. Asserts nothing.
+--ddp adds det at 320 under torchrun, 2 processes x 1 thread (1 worker each), against 1 process x 2 threads.
+
+    python bench/bench_train.py [--cases det320 seg320 det640 seg640] [--iters 5] [--ddp]
+"""
+import argparse
+import json
+import os
+import re
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT.parent / "shared" / "data"
+sys.path.insert(0, str(ROOT))
+
+
+def data_yaml(task: str, folder: Path) -> Path:
+    """coco128(-seg) for training, coco8(-seg) val for the (short) validation."""
+    seg = "-seg" if task == "seg" else ""
+    names = (DATA / "coco128.yaml").read_text().split("names:", 1)[1]
+    path = folder / f"bench{seg}.yaml"
+    path.write_text(f"path: {DATA}\ntrain: coco128{seg}/images/train2017\nval: coco8{seg}/images/val\nnames:{names}")
+    return path
+
+
+def one_case(task: str, imgsz: int, iters: int) -> dict:
+    import train
+    from yolo_min.datasets import YOLODataset, build_dataloader, load_data_config
+    from yolo_min.losses import DEFAULT_HYP, YOLOLoss, scale_hyp
+    from yolo_min.models import Model
+
+    cfg = "yolov5n-seg.yaml" if task == "seg" else "yolov5n.yaml"
+    with tempfile.TemporaryDirectory() as tmp:
+        data = data_yaml(task, Path(tmp))
+        out = train.main(train.get_args_parser().parse_args(
+            ["--cfg", cfg, "--data", str(data), "--imgsz", str(imgsz), "--batch-size", "16", "--workers", "2",
+             "--epochs", "1", "--noautoanchor", "--log-every", "100", "--project", tmp]))
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # kB -> GB
+
+        torch.manual_seed(0)
+        d = load_data_config(str(data))
+        model = Model(cfg, nc=80).train()
+        hyp = scale_hyp(DEFAULT_HYP, 80, imgsz)
+        crit = YOLOLoss(model, hyp)
+        opt = train.build_optimizer(model, 0.01, 0.937, 5e-4)
+        scaler = torch.amp.GradScaler("cuda", enabled=False)
+        ds = YOLODataset(d["train"], imgsz, augment=True, hyp=DEFAULT_HYP, batch_size=16, nc=80,
+                         task="segment" if task == "seg" else "detect")
+        loader, _ = build_dataloader(ds, 16, 0, shuffle=True)
+        batches = [b for _, b in zip(range(iters + 1), loader)]
+        for k, batch in enumerate(batches):  # batch 0 warms up
+            if k == 1:
+                t0 = time.perf_counter()
+            loss, _ = train.forward_loss(model, crit, batch, torch.device("cpu"), False)
+            scaler.scale(loss).backward()
+            train.optimizer_step(model, opt, scaler, None)
+        model_only = iters * 16 / (time.perf_counter() - t0)
+    return {"case": f"{task}{imgsz}", "loop": out["img_s"][0], "model_only": model_only, "rss_gb": rss}
+
+
+def ddp_compare() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        common = ["train.py", "--data", str(data_yaml("det", Path(tmp))), "--imgsz", "320", "--batch-size", "16",
+                  "--epochs", "1", "--noautoanchor", "--log-every", "100"]
+        rates = {}
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+        for name, cmd, env in (
+                ("1 process x 2 threads", [sys.executable, *common, "--workers", "2", "--project", f"{tmp}/a"], {}),
+                ("2 processes x 1 thread", [*torchrun, *common, "--workers", "1", "--project", f"{tmp}/b"],
+                 {"OMP_NUM_THREADS": "1"})):
+            r = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True)
+            m = re.search(r"epoch 1/1: (\S+) img/s", r.stdout)
+            rates[name] = float(m.group(1)) if m else float("nan")
+            print(f"  det 320, {name:24s} {rates[name]:7.2f} img/s" + ("" if m else f"  (failed: {r.stderr[-300:]})"))
+        a, b = rates.values()
+        print(f"  ratio 2x1 / 1x2: {b / a:.1%}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cases", nargs="+", default=["det320", "seg320", "det640", "seg640"])
+    p.add_argument("--iters", type=int, default=5, help="model-only steps timed (after one warm-up step)")
+    p.add_argument("--ddp", action="store_true")
+    p.add_argument("--one", help=argparse.SUPPRESS)  # child mode: one case, prints a RESULT line
+    args = p.parse_args()
+    if args.one:
+        task, imgsz = args.one[:3], int(args.one[3:])
+        print("RESULT " + json.dumps(one_case(task, imgsz, args.iters)), flush=True)
+        return
+    if not DATA.exists():
+        sys.exit(f"{DATA} is absent: the benchmark needs ../shared/data (coco128, coco8)")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs; batch 16, 2 workers")
+    print(f"{'case':8s} {'loop img/s':>11s} {'model-only img/s':>17s} {'loop/model':>11s} {'peak RSS':>9s}")
+    for case in args.cases:
+        r = subprocess.run([sys.executable, __file__, "--one", case, "--iters", str(args.iters)],
+                           capture_output=True, text=True)
+        line = next((ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")), None)
+        if line is None:
+            print(f"{case:8s} failed: {r.stderr[-500:]}")
+            continue
+        res = json.loads(line[7:])
+        print(f"{case:8s} {res['loop']:11.2f} {res['model_only']:17.2f} {res['loop'] / res['model_only']:11.1%} "
+              f"{res['rss_gb']:8.2f}G", flush=True)
+    if args.ddp:
+        print("torchrun (CPU, gloo):")
+        ddp_compare()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""Several processes on CPU (gloo), launched by the tests with torchrun: 2 ranks, 2 "nodes" on loopback,
+and the DDP step equivalence. The project code itself never starts a process."""
+import csv
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import train  # noqa: E402
+from val import evaluate  # noqa: E402
+from yolo_min.datasets import YOLODataset, build_dataloader, load_data_config  # noqa: E402
+from yolo_min.models import load_model  # noqa: E402
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+TWO_NODE_PORT = "29517"  # fixed: the two launchers must agree on it
+ARGS = ["--data", "shapes", "--imgsz", "64", "--batch-size", "16", "--workers", "0", "--log-every", "4"]
+
+
+def run(cmd, timeout=300, **kw):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, **kw)
+
+
+def rows(run_dir):
+    with open(run_dir / "results.csv") as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.fixture(scope="module")
+def shapes_runs(tmp_path_factory):
+    """The same 2-epoch training, in 1 process (in-process) and in 2 processes (torchrun)."""
+    tmp = tmp_path_factory.mktemp("runs")
+    one = train.main(train.get_args_parser().parse_args([*ARGS, "--epochs", "2", "--project", str(tmp / "one")]))
+    r = run([*TORCHRUN, "--standalone", "--nproc_per_node", "2", "train.py", *ARGS, "--epochs", "2",
+             "--project", str(tmp / "two")])
+    assert r.returncode == 0, r.stderr[-3000:]
+    return Path(one["save_dir"]), tmp / "two" / "exp", r.stdout
+
+
+@pytest.mark.slow
+def test_two_ranks_train_and_only_rank0_writes(shapes_runs):
+    one, two, stdout = shapes_runs
+    assert sorted(p.name for p in two.parent.iterdir()) == ["exp"]
+    assert sorted(p.name for p in (two / "weights").iterdir()) == ["best.pt", "last.pt"]  # no stray .tmp
+    assert stdout.count("epoch 2/2:") == 1 and stdout.count("Results saved") == 1  # rank 0 prints, once
+    assert "2 rank(s)" in stdout
+    assert list(rows(two)[0]) == list(rows(one)[0]) and len(rows(two)) == len(rows(one)) == 2
+    a, b = (torch.load(r / "weights" / "last.pt", weights_only=True) for r in (one, two))
+    assert a.keys() == b.keys() and a["rng"]["world_size"] == 1 and b["rng"]["world_size"] == 2
+    assert len(b["rng"]["ranks"]) == 2
+
+
+@pytest.mark.slow
+def test_gathered_validation_equals_one_process(shapes_runs):
+    """The metrics the 2 ranks computed for the last epoch (sharded, gathered) equal a 1-process
+    validation of the same EMA weights, to the last bit."""
+    _, two, _ = shapes_runs
+    data = load_data_config("shapes")
+    model = load_model(two / "weights" / "last.pt")
+    ds = YOLODataset(data["val"], imgsz=64, task="detect", rect=True, batch_size=16, stride=32, nc=data["nc"])
+    loader, _ = build_dataloader(ds, 16, 0, shuffle=False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the ranks ran (OMP_NUM_THREADS=1): bit-equal convolutions
+    try:
+        metrics = evaluate(model, loader, ds, device="cpu")
+    finally:
+        torch.set_num_threads(threads)
+    last = rows(two)[-1]
+    got = {k: float(last[f"metrics/{k}(B)"]) for k in ("P", "R", "mAP50", "mAP50-95")}
+    assert got == metrics["box"] and got["R"] > 0  # non-trivial: something was detected
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("task", ["detect", "segment"])
+def test_ddp_step_equals_single_process(task):
+    """One optimizer step: 2 ranks x 4 images == 1 process x 8 images (tests/dist_step.py)."""
+    r = run([*TORCHRUN, "--standalone", "--nproc_per_node", "2", "tests/dist_step.py",
+             *(["--segment"] if task == "segment" else [])])
+    assert r.returncode == 0, r.stderr[-3000:]
+    diff, moved = map(float, re.search(r"MAXDIFF (\S+) MOVED (\S+)", r.stdout).groups())
+    assert diff < 1e-5 and moved > 1e-4
+
+
+@pytest.mark.slow
+def test_two_nodes_on_loopback(tmp_path):
+    """torchrun --nnodes 2 --node_rank 0/1 --master_addr 127.0.0.1, one process per "node"."""
+    cmd = lambda r: [*TORCHRUN, "--nnodes", "2", "--node_rank", str(r), "--nproc_per_node", "1",  # noqa: E731
+                     "--master_addr", "127.0.0.1", "--master_port", TWO_NODE_PORT, "train.py", *ARGS,
+                     "--epochs", "1", "--project", str(tmp_path)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    nodes = [subprocess.Popen(cmd(r), cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in (0, 1)]
+    outs = [p.communicate(timeout=300) for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
+    assert "2 rank(s)" in outs[0][0] and "epoch 1/1:" not in outs[1][0]  # node 1's rank prints nothing
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exp"] and len(rows(tmp_path / "exp")) == 1

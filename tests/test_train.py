@@ -1,0 +1,242 @@
+"""train.py: the recipe parts on hand-computed cases, then short single-process runs (CPU, tiny data)."""
+import csv
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import train  # noqa: E402
+from yolo_min.anchors import bpr_and_aat, check_anchors, fit_anchors, kmeans  # noqa: E402
+from yolo_min.losses import DEFAULT_HYP, YOLOLoss, scale_hyp  # noqa: E402
+from yolo_min.models import Model, load_model  # noqa: E402
+
+
+def args_for(tmp_path, *extra):
+    return train.get_args_parser().parse_args(
+        ["--project", str(tmp_path / "runs"), "--imgsz", "64", "--batch-size", "2", "--workers", "0",
+         "--epochs", "2", "--log-every", "1", *extra])
+
+
+# ---------------------------------------------------------------- recipe parts
+def test_optimizer_groups():
+    model = Model("yolov5n.yaml", nc=3)
+    opt = train.build_optimizer(model, 0.01, 0.937, 5e-4)
+    biases, norm_w, weights = (g["params"] for g in opt.param_groups)
+    bns = [m for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
+    assert {id(p) for p in norm_w} == {id(m.weight) for m in bns}
+    assert len(biases) == len(bns) + 3  # every BN bias and the three head convs' biases
+    assert all(p.ndim == 4 for p in weights)  # conv kernels only
+    assert sum(map(len, (biases, norm_w, weights))) == len(list(model.parameters()))
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.0, 0.0, 5e-4]
+    assert [g["bias"] for g in opt.param_groups] == [True, False, False]
+    assert all(g["nesterov"] and g["momentum"] == 0.937 and g["initial_lr"] == 0.01 for g in opt.param_groups)
+
+
+def test_lr_schedule_and_warmup():
+    assert train.lr_factor(0, 10, 0.01) == 1.0
+    assert train.lr_factor(5, 10, 0.01) == pytest.approx(0.505)
+    assert train.lr_factor(10, 10, 0.01) == pytest.approx(0.01)
+    assert train.lr_factor(5, 10, 0.01, cos=True) == pytest.approx(0.505)
+    assert train.lr_factor(10, 10, 0.01, cos=True) == pytest.approx(0.01)
+    assert train.lr_factor(2, 10, 0.01, cos=True) > train.lr_factor(2, 10, 0.01)  # cosine starts slower
+    opt = train.build_optimizer(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)), 0.01, 0.937, 5e-4)
+    assert train.warmup(opt, 0, 100, 0.9, DEFAULT_HYP, 4.0) == 1
+    assert [g["lr"] for g in opt.param_groups] == [0.1, 0.0, 0.0]  # bias 0.1 down, others 0 up
+    assert all(g["momentum"] == 0.8 for g in opt.param_groups)
+    assert train.warmup(opt, 50, 100, 0.9, DEFAULT_HYP, 4.0) == 2  # round(2.5) (banker's) = 2
+    assert opt.param_groups[0]["lr"] == pytest.approx((0.1 + 0.009) / 2)
+    assert opt.param_groups[2]["lr"] == pytest.approx(0.0045)
+    assert train.warmup(opt, 100, 100, 0.9, DEFAULT_HYP, 4.0) == 4
+    assert all(g["lr"] == pytest.approx(0.009) and g["momentum"] == pytest.approx(0.937) for g in opt.param_groups)
+
+
+def test_ema_updates_all_float_state():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+    ema = train.ModelEMA(model)
+    before = {k: v.clone() for k, v in ema.ema.state_dict().items()}
+    with torch.no_grad():
+        model[0].weight.add_(1.0)
+        model[1].running_mean.add_(2.0)
+        model[1].num_batches_tracked += 5
+    ema.update(model)
+    d = 0.9999 * (1 - math.exp(-1 / 2000))
+    now, src = ema.ema.state_dict(), model.state_dict()
+    for k in ("0.weight", "1.running_mean"):
+        torch.testing.assert_close(now[k], d * before[k] + (1 - d) * src[k])
+    assert now["1.num_batches_tracked"] == before["1.num_batches_tracked"]  # integers are not averaged
+    assert not any(p.requires_grad for p in ema.ema.parameters()) and not ema.ema.training
+
+
+def test_checkpoint_is_atomic_and_weights_only(tmp_path):
+    path = tmp_path / "last.pt"
+    train.save_checkpoint({"epoch": 1, "rng": train.rng_state(), "w": torch.ones(3)}, path)
+    with pytest.raises(Exception):  # a save that fails half-way ...
+        train.save_checkpoint({"epoch": 2, "bad": lambda: 0}, path)
+    ckpt = torch.load(path, weights_only=True)  # ... leaves the previous file whole
+    assert ckpt["epoch"] == 1 and torch.equal(ckpt["w"], torch.ones(3))
+    a = (torch.rand(3), np.random.rand(3), __import__("random").random())
+    train.set_rng_state(ckpt["rng"])
+    b = (torch.rand(3), np.random.rand(3), __import__("random").random())
+    train.set_rng_state(ckpt["rng"])
+    assert torch.equal(a[0], b[0]) and np.array_equal(a[1], b[1]) and a[2] == b[2]
+
+
+def test_run_folders_and_resume_lookup(tmp_path):
+    args = args_for(tmp_path)
+    assert train.make_run_folder(args, restarted=False) == str(tmp_path / "runs" / "exp")
+    assert train.make_run_folder(args, restarted=False) == str(tmp_path / "runs" / "exp2")
+    assert train.make_run_folder(args, restarted=True) == str(tmp_path / "runs" / "exp2")  # a restart keeps its folder
+    assert (tmp_path / "runs" / "exp2" / "weights").is_dir() and (tmp_path / "runs" / "exp2" / "args.yaml").is_file()
+    assert train.find_resume(args, restarted=True) is None  # no last.pt yet: start afresh
+    with pytest.raises(train.ConfigError, match="no run"):
+        train.find_resume(args_for(tmp_path / "empty", "--resume"), restarted=False)
+    with pytest.raises(train.ConfigError, match="cannot read"):
+        train.find_resume(args_for(tmp_path, "--resume", str(tmp_path / "nope.pt")), restarted=False)
+
+
+def test_check_anchors_refits_poor_anchors():
+    rng = np.random.default_rng(0)
+    wh = np.concatenate([rng.normal(c, c / 10, (200, 2)) for c in (10, 40, 160)]).clip(3).astype(np.float32)
+    good = fit_anchors(wh, 9, 4.0, gens=200)
+    assert good.shape == (9, 2) and np.all(np.diff(good.prod(1)) >= 0)  # sorted by area
+    assert bpr_and_aat(good, wh, 4.0)[0] > 0.99
+    centres = kmeans(np.array([[0.0, 0.0], [0.1, 0.0], [10, 10], [10.1, 10]]), 2, rng)
+    assert sorted(centres[:, 0].round(2).tolist()) == [0.05, 10.05]
+
+    class Labels:  # 64x64 images, every box 60x60 pixels: the default anchors (10..373 px) miss most
+        labels = [{"bboxes": np.array([[0.5, 0.5, 60 / 64, 60 / 64]] * 20), "shape": (64, 64)}] * 5
+
+    model = Model("yolov5n.yaml", nc=1)
+    old = model.model[-1].anchors.clone()
+    assert check_anchors(Labels(), model, thr=1.2, imgsz=64) > 0.98
+    assert not torch.equal(model.model[-1].anchors, old)
+
+
+def test_loss_falls_on_a_fixed_batch():
+    torch.manual_seed(0)
+    model = Model("yolov5n.yaml", nc=2).train()
+    hyp = scale_hyp(DEFAULT_HYP, 2, 64)
+    crit = YOLOLoss(model, hyp)
+    opt = train.build_optimizer(model, 0.1, 0.937, 5e-4)
+    scaler = torch.amp.GradScaler("cuda", enabled=False)
+    images = torch.randint(0, 255, (4, 3, 64, 64), dtype=torch.uint8)
+    targets = torch.tensor([[0, 0, 0.5, 0.5, 0.4, 0.3], [1, 1, 0.3, 0.6, 0.2, 0.5], [2, 0, 0.7, 0.2, 0.3, 0.3],
+                            [3, 1, 0.5, 0.5, 0.8, 0.8]])
+    losses = []
+    for _ in range(12):
+        batch = {"images": images, "targets": targets}
+        loss, _ = train.forward_loss(model, crit, batch, torch.device("cpu"), False)
+        loss.backward()
+        train.optimizer_step(model, opt, scaler, None)
+        losses.append(loss.item())
+    assert all(math.isfinite(x) for x in losses) and np.mean(losses[-3:]) < 0.9 * losses[0]
+
+
+def test_bad_config_exits_2_before_any_work(tmp_path):
+    for bad in (["--cfg", "nope.yaml"], ["--data", str(tmp_path / "missing.yaml")], ["--device", "cuda:0"],
+                ["--hyp", str(tmp_path / "missing_hyp.yaml")]):
+        if "cuda:0" in bad and torch.cuda.is_available():
+            continue
+        r = subprocess.run([sys.executable, str(ROOT / "train.py"), "--project", str(tmp_path / "runs"), *bad],
+                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        assert r.returncode == 2, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1 and "error" in r.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+# ---------------------------------------------------------------- short runs
+def read_csv(path):
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cfg, data", [("yolov5n.yaml", "coco8.yaml"), ("yolov5n-seg.yaml", "coco8-seg.yaml")])
+def test_two_epochs_on_coco8(tmp_path, data_dir, cfg, data):
+    out = train.main(args_for(tmp_path, "--cfg", cfg, "--data", str(data_dir / data)))
+    run = Path(out["save_dir"])
+    assert run == tmp_path / "runs" / "exp" and out["epochs"] == 2
+    for f in ("weights/last.pt", "weights/best.pt", "args.yaml", "results.csv", "train_batch0.jpg"):
+        assert (run / f).is_file(), f
+    rows = read_csv(run / "results.csv")
+    kinds = ["B", "M"] if "seg" in cfg else ["B"]
+    losses = ["box", "seg", "obj", "cls"] if "seg" in cfg else ["box", "obj", "cls"]
+    assert list(rows[0]) == ["epoch", *(f"train/{n}_loss" for n in losses),
+                             *(f"metrics/{m}({k})" for k in kinds for m in ("P", "R", "mAP50", "mAP50-95")),
+                             "lr/pg0", "lr/pg1", "lr/pg2"]
+    assert [r["epoch"] for r in rows] == ["1", "2"]
+    assert all(math.isfinite(float(v)) for r in rows for v in r.values())
+    assert set(out["metrics"]) >= {"box", "fitness", "images", "instances"} | ({"mask"} if "seg" in cfg else set())
+    ckpt = torch.load(run / "weights" / "last.pt", weights_only=True)
+    assert ckpt["epoch"] == 1 and ckpt["task"] == ("segment" if "seg" in cfg else "detect")
+    assert ckpt["names"][0] == "person"
+    assert ckpt["ema_updates"] == 3  # warmup's accumulate is 1, 1, 2 (iteration 3 waits), then the epoch's end
+    assert train.make_run_folder(args_for(tmp_path), restarted=False).endswith("exp2")  # the next run increments
+
+
+@pytest.mark.slow
+def test_shapes_dataset_is_the_default(tmp_path):
+    out = train.main(args_for(tmp_path, "--batch-size", "16", "--epochs", "1", "--log-every", "4"))
+    assert read_csv(Path(out["save_dir"]) / "results.csv")[0]["epoch"] == "1"
+    assert out["metrics"]["images"] == 32 and out["metrics"]["instances"] > 32
+
+
+@pytest.mark.slow
+def test_resume_continues_exactly(tmp_path, data_dir, monkeypatch):
+    """A run of 3 epochs stopped after epoch 1, resumed with --resume, stopped after epoch 2 and resumed
+    as after a torchrun restart ends with the checkpoint and results of an uninterrupted run."""
+    common = ["--data", str(data_dir / "coco8.yaml"), "--epochs", "3", "--noautoanchor"]
+    whole = Path(train.main(args_for(tmp_path / "a", *common))["save_dir"])
+
+    save = train.save_checkpoint
+
+    def save_then_stop(stop_after):  # the run is killed right after that epoch's last.pt is written
+        def f(ckpt, path):
+            save(ckpt, path)
+            if path.name == "last.pt" and ckpt["epoch"] == stop_after:
+                raise KeyboardInterrupt
+        return f
+
+    monkeypatch.setattr(train, "save_checkpoint", save_then_stop(0))
+    with pytest.raises(KeyboardInterrupt):
+        train.main(args_for(tmp_path / "b", *common))
+    run = tmp_path / "b" / "runs" / "exp"
+    monkeypatch.setattr(train, "save_checkpoint", save_then_stop(1))
+    with pytest.raises(KeyboardInterrupt):
+        train.main(train.get_args_parser().parse_args(["--resume", str(run / "weights" / "last.pt")]))
+    monkeypatch.setattr(train, "save_checkpoint", save)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # the same command again, as torchrun restarts it
+    assert Path(train.main(args_for(tmp_path / "b", *common))["save_dir"]) == run
+
+    a, b = (torch.load(r / "weights" / "last.pt", weights_only=True) for r in (whole, run))
+    assert a["epoch"] == b["epoch"] == 2 and a["ema_updates"] == b["ema_updates"]
+    for key in ("model", "ema"):
+        for k in a[key]:
+            assert torch.equal(a[key][k], b[key][k]), f"{key}.{k}"
+    for sa, sb in zip(a["optimizer"]["state"].values(), b["optimizer"]["state"].values()):
+        assert torch.equal(sa["momentum_buffer"], sb["momentum_buffer"])
+    assert read_csv(whole / "results.csv") == read_csv(run / "results.csv")
+    assert sorted(p.name for p in run.parent.iterdir()) == ["exp"]
+
+
+def test_weights_transfer_and_freeze(tmp_path, data_dir, fixtures_dir, capsys):
+    """--weights: a yolov5 .pt (nc 80) into an nc-80 model: everything but the anchors is taken over."""
+    src = fixtures_dir / "yolov5n_random_v5format.pt"
+    args = args_for(tmp_path, "--data", str(data_dir / "coco8.yaml"), "--weights", str(src), "--freeze", "10")
+    _, _, model, _, _ = train.load_inputs(args, world_size=1)
+    n = len(model.state_dict())
+    assert f"Transferred {n - 1}/{n} items" in capsys.readouterr().out  # all but model.24.anchors
+    ref = load_model(src).state_dict()
+    assert all(torch.equal(v, ref[k]) for k, v in model.state_dict().items() if not k.endswith("anchors"))
+    frozen = {k for k, p in model.named_parameters() if not p.requires_grad}
+    assert frozen and all(int(k.split(".")[1]) < 10 for k in frozen)  # the backbone, layers 0-9
+    assert all(p.requires_grad for k, p in model.named_parameters() if int(k.split(".")[1]) >= 10)
