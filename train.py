@@ -14,15 +14,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import csv
 import datetime
 import math
 import os
+import pickle
 import random
 import resource
+import shutil
+import signal
 import sys
 import time
-from copy import deepcopy
 from pathlib import Path
 
 import numpy as np
@@ -36,8 +37,8 @@ from yolo_min import dist
 from yolo_min.anchors import check_anchors
 from yolo_min.datasets import YOLODataset, build_dataloader, load_data_config
 from yolo_min.losses import DEFAULT_HYP, YOLOLoss, scale_hyp
-from yolo_min.models import Model, de_parallel, load_model
-from yolo_min.plots import draw_batch
+from yolo_min.models import Model, ModelEMA, de_parallel, load_model, save_checkpoint
+from yolo_min.plots import draw_batch, plot_results
 
 NBS = 64  # nominal batch size: gradients accumulate up to it
 
@@ -104,24 +105,6 @@ def warmup(optimizer: torch.optim.Optimizer, ni: int, nw: int, lf: float, hyp: d
     return max(1, round(float(np.interp(ni, xi, [1, accumulate]))))
 
 
-class ModelEMA:
-    """Exponential moving average of every float tensor of a model's state (weights and BN buffers).
-    decay = 0.9999 * (1 - exp(-updates / 2000)): short memory early in training, long later."""
-
-    def __init__(self, model: nn.Module, updates: int = 0, decay: float = 0.9999, tau: float = 2000):
-        self.ema = deepcopy(de_parallel(model)).eval().requires_grad_(False)
-        self.updates, self.decay, self.tau = updates, decay, tau
-
-    @torch.no_grad()
-    def update(self, model: nn.Module) -> None:
-        self.updates += 1
-        d = self.decay * (1 - math.exp(-self.updates / self.tau))
-        state = de_parallel(model).state_dict()
-        for k, v in self.ema.state_dict().items():
-            if v.dtype.is_floating_point:
-                v.lerp_(state[k].detach(), 1 - d)
-
-
 def forward_loss(model: nn.Module, criterion: YOLOLoss, batch: dict, device: torch.device, amp: bool):
     """(loss to backpropagate, detached loss items) of one batch; uint8 images become float / 255 here."""
     images = batch["images"].to(device, non_blocking=True).float() / 255
@@ -157,16 +140,6 @@ def run_path(args: argparse.Namespace, restarted: bool = False) -> Path:
     return Path(args.project) / (args.name if n == 1 else f"{args.name}{n}")
 
 
-def save_checkpoint(ckpt: dict, path: Path) -> None:
-    """torch.save to a temporary file, flushed to disk, then renamed: a crash leaves the old file intact."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        torch.save(ckpt, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def rng_state(loader=None) -> dict:
     """This process's random states (python, numpy, torch, CUDA, the loader's generator) as plain values."""
     name, keys, *rest = np.random.get_state()
@@ -192,20 +165,6 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def run_on_main(fn, *args):
-    """fn(*args) on rank 0 and its result on every rank; a ConfigError there is raised on every rank."""
-    out = None
-    if dist.is_main():
-        try:
-            out = (fn(*args), None)
-        except ConfigError as e:
-            out = (None, str(e))
-    out = dist.broadcast_object(out)
-    if out[1] is not None:
-        raise ConfigError(out[1])
-    return out[0]
-
-
 def find_resume(args: argparse.Namespace, restarted: bool) -> tuple[str, dict] | None:
     """(path, checkpoint) to continue from: --resume (a last.pt, or the newest under --project), or
     after a torchrun restart the run folder's last.pt. None: start afresh."""
@@ -221,16 +180,20 @@ def find_resume(args: argparse.Namespace, restarted: bool) -> tuple[str, dict] |
         return None
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except (OSError, RuntimeError, EOFError) as e:
-        raise ConfigError(f"--resume: cannot read checkpoint {path}: {e}") from None
+    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as e:  # unpickling: weights_only=True refused
+        why = "it holds pickled code or objects, refused" if isinstance(e, pickle.UnpicklingError) else e
+        raise ConfigError(f"--resume: cannot read checkpoint {path}: {why}") from None
     if not isinstance(ckpt, dict) or "optimizer" not in ckpt:
         raise ConfigError(f"--resume: {path} is not a yolo_min training checkpoint")
     return str(path), ckpt
 
 
-def make_run_folder(args: argparse.Namespace, restarted: bool) -> str:
-    """Create the run folder with weights/ and args.yaml (rank 0); fail early when it cannot be written."""
+def make_run_folder(args: argparse.Namespace, restarted: bool, need: int = 0) -> str:
+    """Make the run folder, weights/ and args.yaml (rank 0); fail early if unwritable or under `need` bytes free."""
     path = run_path(args, restarted)
+    free = shutil.disk_usage(next(p for p in (path, *path.parents) if p.exists())).free
+    if free < need:
+        raise ConfigError(f"{path}: only {free / 1e6:.1f} MB free on disk, checkpoints need about {need / 1e6:.0f} MB")
     try:
         (path / "weights").mkdir(parents=True, exist_ok=True)
         (path / "args.yaml").write_text(yaml.safe_dump(vars(args), sort_keys=False))
@@ -297,24 +260,26 @@ def log_every(loader, every: int, header: str, stats: dict, device: torch.device
             print(f"{header} [{i + 1}/{n}]  {rate:.2f} it/s  eta {eta}  {text}  mem {mem:.2f}G", flush=True)
 
 
-def plot_results(path: Path) -> None:
-    """results.png beside results.csv, one panel per column, when matplotlib is installed (not a dependency)."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return print("results.png skipped: matplotlib is not installed")
-    with open(path) as f:
-        rows = list(csv.DictReader(f))
-    n = math.ceil((len(rows[0]) - 1) / 5)
-    fig, axes = plt.subplots(n, 5, figsize=(15, 3 * n), squeeze=False)
-    for ax, k in zip(axes.flat, list(rows[0])[1:]):
-        ax.plot([int(r["epoch"]) for r in rows], [float(r[k] or "nan") for r in rows], ".-")
-        ax.set_title(k, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path.with_suffix(".png"), dpi=100)
-    plt.close(fig)
+def _test_faults(restarted: bool) -> dict:
+    """TEST ONLY (tests/test_reliability.py; never set otherwise): YOLO_MIN_TEST_KILL, _FAIL or _NAN set to
+    "epoch:iter:rank" (1-based) make that rank SIGKILL itself (first torchrun try only), raise, or see a NaN loss."""
+    return {k: tuple(map(int, v.split(":"))) for k in ("KILL", "FAIL", "NAN")
+            if (v := os.environ.get(f"YOLO_MIN_TEST_{k}")) and not (k == "KILL" and restarted)}
+
+
+def _inject_fault(faults: dict, at: tuple[int, int, int], items: torch.Tensor) -> torch.Tensor:
+    """TEST ONLY: the fault of _test_faults planned for (epoch, iteration, rank), if any."""
+    if faults.get("KILL") == at:
+        os.kill(os.getpid(), signal.SIGKILL)
+    if faults.get("FAIL") == at:
+        raise RuntimeError(f"test fault: rank {at[2]} fails at epoch {at[0]}, iteration {at[1]}")
+    return items * math.nan if faults.get("NAN") == at else items
+
+
+def _stop_on_sigterm(signum, frame):
+    """SIGTERM (kill, a job scheduler) stops a single-process run like Ctrl-C; weights/last.pt stays whole."""
+    signal.signal(signum, signal.SIG_DFL)  # a second SIGTERM ends the process at once
+    raise KeyboardInterrupt("SIGTERM")
 
 
 # ---------------------------------------------------------------- training
@@ -335,21 +300,16 @@ def train(args: argparse.Namespace, info: dist.DistInfo) -> dict:
     rank, world_size, device, master = info.rank, info.world_size, info.device, info.is_main
     cuda = amp = device.type == "cuda"
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-    ckpt = None
-    if resumed := run_on_main(find_resume, args, restarted):  # a resumed run continues with its own arguments
+    ckpt, faults = None, _test_faults(restarted)
+    if resumed := dist.run_on_main(find_resume, args, restarted):  # a resumed run continues with its own arguments
         path, ckpt = resumed
         args = argparse.Namespace(**{**vars(get_args_parser().parse_args([])), **ckpt["args"], "resume": path,
                                      "device": args.device})  # only the hardware may change
     seed_everything(args.seed)  # identical initial weights on every rank
-    error = None
     with dist.main_first():  # local rank 0 first: it builds the label caches (and the shapes dataset)
-        try:
-            data, hyp, model, train_set, val_set = load_inputs(args, world_size)
-        except ConfigError as e:
-            error = e
-    if error is not None:
-        raise error
-    save_dir = Path(run_on_main(make_run_folder, args, restarted))
+        data, hyp, model, train_set, val_set = load_inputs(args, world_size)
+    need = 3 * 12 * sum(p.numel() for p in model.parameters())  # last.pt, best.pt, .tmp: weights, EMA, momentum
+    save_dir = Path(dist.run_on_main(make_run_folder, args, restarted, need))
     last, best, csv_path = save_dir / "weights" / "last.pt", save_dir / "weights" / "best.pt", save_dir / "results.csv"
     seed_everything(args.seed + rank)  # distinct augmentation on every rank
     task, names = model.task, data["names"]
@@ -410,6 +370,7 @@ def train(args: argparse.Namespace, info: dist.DistInfo) -> dict:
             step = ni - last_opt_step >= accumulate or i == nb - 1
             with model.no_sync() if world_size > 1 and not step else contextlib.nullcontext():  # no all-reduce yet
                 loss, items = forward_loss(model, criterion, batch, device, amp)
+                items = _inject_fault(faults, (epoch + 1, i + 1, rank), items) if faults else items  # TEST ONLY
                 items = dist.reduce_mean(items)  # the same on every rank, so all ranks stop together
                 if not torch.isfinite(items).all():
                     raise FloatingPointError(f"non-finite loss {items.tolist()} at epoch {epoch + 1}, iteration "
@@ -462,8 +423,8 @@ def train(args: argparse.Namespace, info: dist.DistInfo) -> dict:
     dist.print0(f"{epoch + 1 - start_epoch} epochs in {(time.time() - t_start) / 3600:.3f} hours; validating {best}")
     if master and csv_path.exists():
         plot_results(csv_path)
-    ema.ema.load_state_dict(run_on_main(lambda: torch.load(best if best.is_file() else last, map_location="cpu",
-                                                           weights_only=True)["ema"]))
+    ema.ema.load_state_dict(dist.run_on_main(lambda: torch.load(best if best.is_file() else last, map_location="cpu",
+                                                                weights_only=True)["ema"]))
     metrics = evaluate(ema.ema, val_loader, val_set, device=device, half=amp, names=names, plots_dir=save_dir)
     dist.print0(format_table(metrics, names) + f"\nResults saved to {save_dir}")
     return {"save_dir": str(save_dir), "epochs": epoch + 1, "best_fitness": best_fitness, "metrics": metrics,
@@ -471,11 +432,16 @@ def train(args: argparse.Namespace, info: dist.DistInfo) -> dict:
 
 
 if __name__ == "__main__":
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:  # under torchrun SIGTERM keeps its default: end at once
+        signal.signal(signal.SIGTERM, _stop_on_sigterm)
     try:
         main(get_args_parser().parse_args())
     except ConfigError as e:
         print(f"train.py: error: {e}", file=sys.stderr)
         sys.exit(2)
-    except (FloatingPointError, KeyboardInterrupt) as e:  # every rank stops; weights/last.pt is intact
-        print(f"train.py: {e or 'interrupted'}", file=sys.stderr)
-        sys.exit(1 if isinstance(e, FloatingPointError) else 130)
+    except FloatingPointError as e:  # every rank stops; weights/last.pt holds the last good epoch
+        sys.exit(f"train.py: {e}")  # to stderr, exit code 1
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (_stop_on_sigterm)
+        print(f"train.py: stopped by {str(e) or 'SIGINT'}; weights/last.pt holds the last completed epoch",
+              file=sys.stderr)
+        sys.exit(143 if str(e) == "SIGTERM" else 130)

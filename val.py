@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -231,4 +232,7 @@ def main(args: argparse.Namespace) -> dict:
 
 
 if __name__ == "__main__":
-    main(get_args_parser().parse_args())
+    try:
+        main(get_args_parser().parse_args())
+    except (ValueError, OSError) as e:  # a bad or refused weights file, a bad data file: one line, no traceback
+        sys.exit(f"val.py: error: {str(e).splitlines()[0]}")

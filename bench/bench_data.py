@@ -32,29 +32,47 @@ def rate(ds, n: int, bs: int = 16) -> tuple[float, float]:
     return n / (time.process_time() - c0), n / (time.perf_counter() - t0)
 
 
+def data_rates(data_dir: str, n: int = 256, modes=("train", "val"), sizes=(320, 640), profile: bool = False) -> list[dict]:
+    """One row per (pipeline, task, imgsz) on coco128 / coco128-seg: {"mode", "task", "imgsz", "cpu", "wall", "ref"}
+    (img/s of one process with 1 thread; ref = the yolov5 OpenCV figure or None)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # restored below: the caller may time other things in this process
+    random.seed(0)
+    try:
+        return _data_rates(data_dir, n, modes, sizes, profile)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _data_rates(data_dir: str, n: int, modes, sizes, profile: bool) -> list[dict]:
+    rows = []
+    for mode in modes:
+        for task, name in (("detect", "coco128.yaml"), ("segment", "coco128-seg.yaml")):
+            cfg = load_data_config(f"{data_dir}/{name}")
+            for imgsz in sizes:
+                ds = YOLODataset(cfg["train"], imgsz=imgsz, augment=mode == "train", task=task, rect=mode == "val",
+                                 batch_size=16, nc=cfg["nc"], prefix=f"{mode} {task} {imgsz}: ")
+                if profile and (mode, task, imgsz) == ("train", "segment", 640):
+                    cProfile.runctx("rate(ds, n)", globals(), locals(), "/tmp/bench_data.prof")
+                    pstats.Stats("/tmp/bench_data.prof").sort_stats("tottime").print_stats(15)
+                cpu, wall = rate(ds, n)
+                rows.append(dict(mode=mode, task=task, imgsz=imgsz, cpu=cpu, wall=wall,
+                                 ref=REFERENCE.get((mode, task, imgsz))))
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--data-dir", default=str(Path(__file__).resolve().parents[2] / "shared" / "data"))
     ap.add_argument("--n", type=int, default=256, help="images per measurement")
     ap.add_argument("--profile", action="store_true", help="cProfile the 640 segment training pipeline")
     args = ap.parse_args()
-    torch.set_num_threads(1)
-    random.seed(0)
-    rows = []
-    for mode in ("train", "val"):
-        for task, name in (("detect", "coco128.yaml"), ("segment", "coco128-seg.yaml")):
-            cfg = load_data_config(f"{args.data_dir}/{name}")
-            for imgsz in (320, 640):
-                ds = YOLODataset(cfg["train"], imgsz=imgsz, augment=mode == "train", task=task, rect=mode == "val",
-                                 batch_size=16, nc=cfg["nc"], prefix=f"{mode} {task} {imgsz}: ")
-                if args.profile and (mode, task, imgsz) == ("train", "segment", 640):
-                    cProfile.runctx("rate(ds, args.n)", globals(), locals(), "/tmp/bench_data.prof")
-                    pstats.Stats("/tmp/bench_data.prof").sort_stats("tottime").print_stats(15)
-                rows.append((mode, task, imgsz, rate(ds, args.n), REFERENCE.get((mode, task, imgsz))))
+    rows = data_rates(args.data_dir, args.n, profile=args.profile)
     print(f"\n{'pipeline':8s} {'task':8s} {'imgsz':>5s} {'yolo_min img/s (cpu)':>21s} {'(wall)':>7s} "
           f"{'yolov5 OpenCV img/s':>20s}")
-    for mode, task, imgsz, (cpu, wall), ref in rows:
-        print(f"{mode:8s} {task:8s} {imgsz:5d} {cpu:21.1f} {wall:7.1f} {ref if ref else '-':>20}")
+    for r in rows:
+        print(f"{r['mode']:8s} {r['task']:8s} {r['imgsz']:5d} {r['cpu']:21.1f} {r['wall']:7.1f} "
+              f"{r['ref'] if r['ref'] else '-':>20}")
 
 
 if __name__ == "__main__":

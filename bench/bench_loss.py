@@ -37,25 +37,19 @@ def synthetic_batch(bs: int, imgsz: int, per_image: int, nc: int, g: torch.Gener
     return targets, masks
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cfg", default="yolov5n-seg.yaml")
-    ap.add_argument("--imgsz", type=int, default=320)
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--iters", type=int, default=3)
-    ap.add_argument("--per-image", type=int, default=20, help="synthetic objects per image")
-    ap.add_argument("--device", default="cpu")
-    args = ap.parse_args()
-
-    device = torch.device(args.device)
+def loss_share(cfg: str = "yolov5n-seg.yaml", imgsz: int = 320, batch: int = 16, iters: int = 3,
+               per_image: int = 20, device: str = "cpu") -> dict:
+    """Best-of-`iters` times (s) of the full step and of the loss alone: {"step", "loss", "share", "targets",
+    "items", "threads"}; share = loss / step."""
+    device = torch.device(device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     torch.manual_seed(0)
-    model = Model(args.cfg).to(device).train()
+    model = Model(cfg).to(device).train()
     head = model.model[-1]
-    crit = YOLOLoss(model, scale_hyp(DEFAULT_HYP, head.nc, args.imgsz, head.nl))
+    crit = YOLOLoss(model, scale_hyp(DEFAULT_HYP, head.nc, imgsz, head.nl))
     g = torch.Generator().manual_seed(0)
-    images = torch.rand(args.batch, 3, args.imgsz, args.imgsz, generator=g).to(device)
-    targets, masks = synthetic_batch(args.batch, args.imgsz, args.per_image, head.nc, g)
+    images = torch.rand(batch, 3, imgsz, imgsz, generator=g).to(device)
+    targets, masks = synthetic_batch(batch, imgsz, per_image, head.nc, g)
     targets, masks = targets.to(device), (masks.to(device) if model.task == "segment" else None)
 
     def detach(preds):
@@ -64,7 +58,7 @@ def main() -> None:
         return [p.detach().requires_grad_() for p in preds]
 
     step, loss_only = [], []
-    for it in range(args.iters + 1):  # the first iteration warms up and is not counted
+    for it in range(iters + 1):  # the first iteration warms up and is not counted
         model.zero_grad(set_to_none=True)
         sync()
         t0 = time.perf_counter()
@@ -83,12 +77,26 @@ def main() -> None:
             step.append(t1 - t0)
             loss_only.append(t3 - t2)
     s, lo = min(step), min(loss_only)  # least disturbed by other load on the machine
+    return dict(step=s, loss=lo, share=lo / s, targets=len(targets), items=items.tolist(),
+                threads=torch.get_num_threads())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cfg", default="yolov5n-seg.yaml")
+    ap.add_argument("--imgsz", type=int, default=320)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--per-image", type=int, default=20, help="synthetic objects per image")
+    ap.add_argument("--device", default="cpu")
+    args = ap.parse_args()
+    r = loss_share(args.cfg, args.imgsz, args.batch, args.iters, args.per_image, args.device)
     print(f"{args.cfg} imgsz {args.imgsz} batch {args.batch} {args.device} "
-          f"({torch.get_num_threads()} threads), {len(targets)} targets, best of {args.iters} iters")
-    print(f"train step (forward + loss + backward): {s * 1000:.0f} ms")
-    print(f"loss (its forward + its backward):      {lo * 1000:.0f} ms")
-    print(f"loss share of the step: {100 * lo / s:.1f}% (target < 15%)")
-    print("items:", [round(v, 4) for v in items.tolist()])
+          f"({r['threads']} threads), {r['targets']} targets, best of {args.iters} iters")
+    print(f"train step (forward + loss + backward): {r['step'] * 1000:.0f} ms")
+    print(f"loss (its forward + its backward):      {r['loss'] * 1000:.0f} ms")
+    print(f"loss share of the step: {100 * r['share']:.1f}% (target < 15%)")
+    print("items:", [round(v, 4) for v in r["items"]])
 
 
 if __name__ == "__main__":

@@ -72,22 +72,32 @@ def one_case(task: str, imgsz: int, iters: int) -> dict:
     return {"case": f"{task}{imgsz}", "loop": out["img_s"][0], "model_only": model_only, "rss_gb": rss}
 
 
-def ddp_compare() -> None:
+def run_case(case: str, iters: int = 5) -> dict:
+    """One case ("det320", "seg640", ...) in a fresh child process: {"case", "loop", "model_only" (img/s),
+    "rss_gb" (peak RSS of the training process)}, or {"case", "error"} when it failed."""
+    r = subprocess.run([sys.executable, __file__, "--one", case, "--iters", str(iters)], capture_output=True, text=True)
+    line = next((ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    return json.loads(line[7:]) if line else {"case": case, "error": r.stderr[-500:]}
+
+
+def ddp_compare() -> dict:
+    """train.py det 320, 1 epoch of coco128: {"1x2": img/s of 1 process x 2 threads, "2x1": 2 processes x 1
+    thread under torchrun (gloo), "ratio": 2x1 / 1x2, "errors": [...]}."""
+    out = {"errors": []}
     with tempfile.TemporaryDirectory() as tmp:
         common = ["train.py", "--data", str(data_yaml("det", Path(tmp))), "--imgsz", "320", "--batch-size", "16",
                   "--epochs", "1", "--noautoanchor", "--log-every", "100"]
-        rates = {}
         torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
         for name, cmd, env in (
-                ("1 process x 2 threads", [sys.executable, *common, "--workers", "2", "--project", f"{tmp}/a"], {}),
-                ("2 processes x 1 thread", [*torchrun, *common, "--workers", "1", "--project", f"{tmp}/b"],
-                 {"OMP_NUM_THREADS": "1"})):
+                ("1x2", [sys.executable, *common, "--workers", "2", "--project", f"{tmp}/a"], {}),
+                ("2x1", [*torchrun, *common, "--workers", "1", "--project", f"{tmp}/b"], {"OMP_NUM_THREADS": "1"})):
             r = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True)
             m = re.search(r"epoch 1/1: (\S+) img/s", r.stdout)
-            rates[name] = float(m.group(1)) if m else float("nan")
-            print(f"  det 320, {name:24s} {rates[name]:7.2f} img/s" + ("" if m else f"  (failed: {r.stderr[-300:]})"))
-        a, b = rates.values()
-        print(f"  ratio 2x1 / 1x2: {b / a:.1%}")
+            out[name] = float(m.group(1)) if m else float("nan")
+            if not m:
+                out["errors"].append(f"{name}: {r.stderr[-300:]}")
+    out["ratio"] = out["2x1"] / out["1x2"]
+    return out
 
 
 def main() -> None:
@@ -106,18 +116,18 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs; batch 16, 2 workers")
     print(f"{'case':8s} {'loop img/s':>11s} {'model-only img/s':>17s} {'loop/model':>11s} {'peak RSS':>9s}")
     for case in args.cases:
-        r = subprocess.run([sys.executable, __file__, "--one", case, "--iters", str(args.iters)],
-                           capture_output=True, text=True)
-        line = next((ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")), None)
-        if line is None:
-            print(f"{case:8s} failed: {r.stderr[-500:]}")
+        res = run_case(case, args.iters)
+        if "error" in res:
+            print(f"{case:8s} failed: {res['error']}")
             continue
-        res = json.loads(line[7:])
         print(f"{case:8s} {res['loop']:11.2f} {res['model_only']:17.2f} {res['loop'] / res['model_only']:11.1%} "
               f"{res['rss_gb']:8.2f}G", flush=True)
     if args.ddp:
         print("torchrun (CPU, gloo):")
-        ddp_compare()
+        d = ddp_compare()
+        print(f"  det 320, 1 process x 2 threads   {d['1x2']:7.2f} img/s")
+        print(f"  det 320, 2 processes x 1 thread  {d['2x1']:7.2f} img/s")
+        print(f"  ratio 2x1 / 1x2: {d['ratio']:.1%}" + "".join(f"\n  failed: {e}" for e in d["errors"]))
 
 
 if __name__ == "__main__":

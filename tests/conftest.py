@@ -24,3 +24,18 @@ def fixtures_dir() -> Path:
 @pytest.fixture
 def data_dir() -> Path:
     return need(DATA)
+
+
+@pytest.fixture(scope="session")
+def small_shapes(tmp_path_factory) -> str:
+    """A 48-train / 16-val subset of the embedded shapes dataset (image lists in .txt files): a fast
+    stand-in for `--data shapes` in multi-epoch and multi-process tests."""
+    from yolo_min.datasets import load_data_config
+    full = load_data_config("shapes")
+    root = tmp_path_factory.mktemp("small_shapes")
+    for split, n in (("train", 48), ("val", 16)):
+        files = sorted(p for p in Path(full[split][0]).iterdir() if p.suffix == ".jpg")[:n]
+        (root / f"{split}.txt").write_text("".join(f"{p}\n" for p in files))
+    names = "".join(f"  {i}: {n}\n" for i, n in enumerate(full["names"]))
+    (root / "small_shapes.yaml").write_text(f"path: {root}\ntrain: train.txt\nval: val.txt\nnames:\n{names}")
+    return str(root / "small_shapes.yaml")

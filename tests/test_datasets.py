@@ -440,7 +440,7 @@ def test_shapes_dataset(tmp_path, monkeypatch):
     cfg = load_data_config("shapes")
     assert cfg["names"] == ["circle", "rectangle", "triangle"] and cfg["nc"] == 3
     ds = YOLODataset(cfg["val"], imgsz=128, task="segment", nc=3)
-    assert len(ds) == 32 and ds.stats["corrupt"] == 0 and ds.stats["instances"] > 32
+    assert len(ds) == 64 and ds.stats["corrupt"] == 0 and ds.stats["instances"] > 64
     assert load_data_config("shapes")["yaml_file"] == cfg["yaml_file"]  # generated once
 
 

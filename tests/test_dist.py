@@ -20,7 +20,7 @@ from yolo_min.models import load_model  # noqa: E402
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 TWO_NODE_PORT = "29517"  # fixed: the two launchers must agree on it
-ARGS = ["--data", "shapes", "--imgsz", "64", "--batch-size", "16", "--workers", "0", "--log-every", "4"]
+ARGS = ["--imgsz", "64", "--batch-size", "16", "--workers", "0", "--log-every", "4"]
 
 
 def run(cmd, timeout=300, **kw):
@@ -34,11 +34,12 @@ def rows(run_dir):
 
 
 @pytest.fixture(scope="module")
-def shapes_runs(tmp_path_factory):
+def shapes_runs(tmp_path_factory, small_shapes):
     """The same 2-epoch training, in 1 process (in-process) and in 2 processes (torchrun)."""
     tmp = tmp_path_factory.mktemp("runs")
-    one = train.main(train.get_args_parser().parse_args([*ARGS, "--epochs", "2", "--project", str(tmp / "one")]))
-    r = run([*TORCHRUN, "--standalone", "--nproc_per_node", "2", "train.py", *ARGS, "--epochs", "2",
+    args = ["--data", small_shapes, *ARGS, "--epochs", "2"]
+    one = train.main(train.get_args_parser().parse_args([*args, "--project", str(tmp / "one")]))
+    r = run([*TORCHRUN, "--standalone", "--nproc_per_node", "2", "train.py", *args,
              "--project", str(tmp / "two")])
     assert r.returncode == 0, r.stderr[-3000:]
     return Path(one["save_dir"]), tmp / "two" / "exp", r.stdout
@@ -58,11 +59,11 @@ def test_two_ranks_train_and_only_rank0_writes(shapes_runs):
 
 
 @pytest.mark.slow
-def test_gathered_validation_equals_one_process(shapes_runs):
+def test_gathered_validation_equals_one_process(shapes_runs, small_shapes):
     """The metrics the 2 ranks computed for the last epoch (sharded, gathered) equal a 1-process
     validation of the same EMA weights, to the last bit."""
     _, two, _ = shapes_runs
-    data = load_data_config("shapes")
+    data = load_data_config(small_shapes)
     model = load_model(two / "weights" / "last.pt")
     ds = YOLODataset(data["val"], imgsz=64, task="detect", rect=True, batch_size=16, stride=32, nc=data["nc"])
     loader, _ = build_dataloader(ds, 16, 0, shuffle=False)
@@ -89,10 +90,10 @@ def test_ddp_step_equals_single_process(task):
 
 
 @pytest.mark.slow
-def test_two_nodes_on_loopback(tmp_path):
+def test_two_nodes_on_loopback(tmp_path, small_shapes):
     """torchrun --nnodes 2 --node_rank 0/1 --master_addr 127.0.0.1, one process per "node"."""
     cmd = lambda r: [*TORCHRUN, "--nnodes", "2", "--node_rank", str(r), "--nproc_per_node", "1",  # noqa: E731
-                     "--master_addr", "127.0.0.1", "--master_port", TWO_NODE_PORT, "train.py", *ARGS,
+                     "--master_addr", "127.0.0.1", "--master_port", TWO_NODE_PORT, "train.py", "--data", small_shapes, *ARGS,
                      "--epochs", "1", "--project", str(tmp_path)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     nodes = [subprocess.Popen(cmd(r), cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import train  # noqa: E402
+from yolo_min import shapes  # noqa: E402
 from yolo_min.anchors import bpr_and_aat, check_anchors, fit_anchors, kmeans  # noqa: E402
 from yolo_min.losses import DEFAULT_HYP, YOLOLoss, scale_hyp  # noqa: E402
 from yolo_min.models import Model, load_model  # noqa: E402
@@ -187,7 +188,7 @@ def test_two_epochs_on_coco8(tmp_path, data_dir, cfg, data):
 def test_shapes_dataset_is_the_default(tmp_path):
     out = train.main(args_for(tmp_path, "--batch-size", "16", "--epochs", "1", "--log-every", "4"))
     assert read_csv(Path(out["save_dir"]) / "results.csv")[0]["epoch"] == "1"
-    assert out["metrics"]["images"] == 32 and out["metrics"]["instances"] > 32
+    assert out["metrics"]["images"] == shapes.N_VAL and out["metrics"]["instances"] > shapes.N_VAL
 
 
 @pytest.mark.slow

@@ -32,7 +32,8 @@ class Piece(NamedTuple):
 
 def affine_matrix(in_wh: tuple, out_wh: tuple, degrees=0.0, translate=0.1, scale=0.5, shear=0.0,
                   perspective=0.0) -> tuple[np.ndarray, float]:
-    """Random 3x3 canvas->output matrix (yolov5 order T @ S @ R @ P @ C) and its scale factor."""
+    """Random 3x3 matrix mapping canvas pixels (x, y, 1) to output pixels (yolov5 order T @ S @ R @ P @ C), and
+    its scale factor. in_wh, out_wh: (width, height) of the canvas and the output."""
     C = np.eye(3)
     C[0, 2], C[1, 2] = -in_wh[0] / 2, -in_wh[1] / 2  # canvas centre to origin
     P = np.eye(3)
@@ -197,6 +198,7 @@ def hsv_jitter(img: torch.Tensor, hgain=0.015, sgain=0.7, vgain=0.4) -> Image.Im
 
 
 def polygon_area(p: np.ndarray) -> float:
+    """Area of a closed polygon (k, 2) [x, y] (shoelace formula), in squared units of its coordinates."""
     x, y = p[:, 0], p[:, 1]
     return 0.5 * abs(float(x[:-1] @ y[1:] - x[1:] @ y[:-1] + x[-1] * y[0] - x[0] * y[-1]))
 

@@ -4,6 +4,7 @@
 backend (nccl on CUDA, gloo on CPU), initialises the group and returns a frozen `DistInfo`.
 Every helper below is a no-op (or the identity) when no process group is initialised, so the same
 code runs at world size 1. Rank 0 is the main process in every mode.
+Holds no launcher (torchrun starts the processes), no global rank state and no training logic.
 """
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ import torch.distributed as dist
 
 @dataclass(frozen=True)
 class DistInfo:
+    """This process in the run: global rank, local_rank (its GPU on the node), world_size, torch device."""
+
     rank: int
     local_rank: int
     world_size: int
@@ -25,6 +28,7 @@ class DistInfo:
 
     @property
     def is_main(self) -> bool:
+        """True on rank 0, the main process (it prints and writes files)."""
         return self.rank == 0
 
 
@@ -53,12 +57,19 @@ def setup(device: str = "", timeout_s: float = 600) -> DistInfo:
         torch.cuda.set_device(dev)
     if world_size > 1 and not dist.is_initialized():
         backend = "nccl" if dev.type == "cuda" else "gloo"
-        dist.init_process_group(backend, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        # torchrun's agent keeps one key-value store across restarts: a key prefix per attempt stops a restarted
+        # group from reading the addresses of the dead one it replaces (pytorch/pytorch#135712)
+        store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout))
+        store.set_timeout(timeout)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        dist.init_process_group(backend, store=dist.PrefixStore(f"yolo_min/attempt{attempt}", store), rank=rank,
+                                world_size=world_size, timeout=timeout)
     return DistInfo(rank=rank, local_rank=local_rank, world_size=world_size, device=dev)
 
 
 def cleanup() -> None:
+    """Destroy the process group, if one was initialised (call it in a `finally`)."""
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -68,14 +79,17 @@ def _active() -> bool:
 
 
 def get_rank() -> int:
+    """Global rank of this process (0 without a process group)."""
     return dist.get_rank() if _active() else 0
 
 
 def is_main() -> bool:
+    """True on rank 0 (and without a process group)."""
     return get_rank() == 0
 
 
 def barrier() -> None:
+    """Wait until every rank gets here (no-op at world size 1)."""
     if _active():
         dist.barrier()
 
@@ -122,15 +136,33 @@ def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def run_on_main(fn, *args, errors: type | tuple = ValueError):
+    """fn(*args) on rank 0 and its result on every rank. An exception of a type in `errors` raised there is
+    raised on every rank (pickled across), so no rank waits in a collective for one that gave up."""
+    out = (None, None)
+    if is_main():
+        try:
+            out = (fn(*args), None)
+        except errors as e:
+            out = (None, e)
+    result, error = broadcast_object(out)
+    if error is not None:
+        raise error
+    return result
+
+
 @contextlib.contextmanager
 def main_first(local: bool = True):
-    """Run the body on (local) rank 0 first, then on the others: e.g. build a cache once."""
+    """Run the body on (local) rank 0 first, then on the others: e.g. build a cache once. The others are
+    released even when the body raises on rank 0 (they then run it, typically to the same error)."""
     first = (int(os.environ.get("LOCAL_RANK", "0")) if local else get_rank()) == 0
     if not first:
         barrier()
-    yield
-    if first:
-        barrier()
+    try:
+        yield
+    finally:
+        if first:
+            barrier()
 
 
 def print0(*args, **kwargs) -> None:

@@ -1,13 +1,16 @@
 """YOLOv5 detection and segmentation networks, built from yolov5-style yaml configs.
 
 Holds the building blocks (Conv, Bottleneck, C3, SPPF, Proto), the Detect/Segment heads, the yaml
-parser, `Model`, and `load_model` (yolo_min checkpoints and real yolov5 `.pt` files). Parameter and
-buffer names equal yolov5's, so a yolov5 state_dict loads with strict=True.
-Does not hold the loss (losses.py), NMS (ops.py) or anything about training.
+parser, `Model`, `load_model` (yolo_min checkpoints and real yolov5 `.pt` files) and the atomic
+`save_checkpoint`. Parameter and buffer names equal yolov5's, so a yolov5 state_dict loads with
+strict=True.
+Does not hold the loss (losses.py), NMS (ops.py) or the training loop (train.py; its `ModelEMA`, the
+weights' moving average, lives here beside `de_parallel`).
 """
 from __future__ import annotations
 
 import math
+import os
 import pickle
 from copy import deepcopy
 from pathlib import Path
@@ -20,6 +23,7 @@ CFG_DIR = Path(__file__).parent / "cfg"
 
 
 def autopad(k: int, p: int | None = None) -> int:
+    """Padding that keeps the size at stride 1 ('same' for odd k), unless p is given."""
     return k // 2 if p is None else p
 
 
@@ -33,10 +37,13 @@ class Conv(nn.Module):
         self.act = nn.SiLU()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(bs, c1, H, W) -> (bs, c2, H/s, W/s)."""
         return self.act(self.bn(self.conv(x)) if hasattr(self, "bn") else self.conv(x))
 
 
 class Bottleneck(nn.Module):
+    """1x1 conv to c2*e channels, 3x3 conv to c2, plus the input when shortcut and c1 == c2."""
+
     def __init__(self, c1: int, c2: int, shortcut: bool = True, e: float = 0.5):
         super().__init__()
         c_ = int(c2 * e)
@@ -45,6 +52,7 @@ class Bottleneck(nn.Module):
         self.add = shortcut and c1 == c2
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(bs, c1, H, W) -> (bs, c2, H, W)."""
         y = self.cv2(self.cv1(x))
         return x + y if self.add else y
 
@@ -61,6 +69,7 @@ class C3(nn.Module):
         self.m = nn.Sequential(*(Bottleneck(c_, c_, shortcut, e=1.0) for _ in range(n)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(bs, c1, H, W) -> (bs, c2, H, W)."""
         return self.cv3(torch.cat((self.m(self.cv1(x)), self.cv2(x)), 1))
 
 
@@ -75,6 +84,7 @@ class SPPF(nn.Module):
         self.m = nn.MaxPool2d(kernel_size=k, stride=1, padding=k // 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(bs, c1, H, W) -> (bs, c2, H, W)."""
         x = self.cv1(x)
         y1 = self.m(x)
         y2 = self.m(y1)
@@ -82,11 +92,14 @@ class SPPF(nn.Module):
 
 
 class Concat(nn.Module):
+    """Concatenate a list of maps along `dimension` (channels): [(bs, c_i, H, W)] -> (bs, sum c_i, H, W)."""
+
     def __init__(self, dimension: int = 1):
         super().__init__()
         self.d = dimension
 
     def forward(self, x: list[torch.Tensor]) -> torch.Tensor:
+        """[(bs, c_i, H, W)] -> (bs, sum c_i, H, W)."""
         return torch.cat(x, self.d)
 
 
@@ -101,6 +114,7 @@ class Proto(nn.Module):
         self.cv3 = Conv(c_, c2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(bs, c1, H/8, W/8) P3 features -> (bs, c2, H/4, W/4) prototypes."""
         return self.cv3(self.cv2(self.upsample(self.cv1(x))))
 
 
@@ -122,6 +136,7 @@ class Detect(nn.Module):
         self.stride = torch.ones(self.nl)  # set by Model once the strides are measured
 
     def forward(self, xs: list[torch.Tensor]):
+        """xs: nl feature maps (bs, ch[i], H/stride[i], W/stride[i]) -> see the class docstring (train / eval)."""
         raw, decoded = [], []
         for i, x in enumerate(xs):
             bs, _, ny, nx = x.shape
@@ -153,6 +168,7 @@ class Segment(Detect):
         self.proto = Proto(ch[0], npr, nm)
 
     def forward(self, xs: list[torch.Tensor]):
+        """xs: nl feature maps (P3 first) -> (Detect output, protos (bs, nm, H/4, W/4))."""
         protos = self.proto(xs[0])
         return super().forward(xs), protos
 
@@ -163,6 +179,7 @@ MODULES = {"Conv": Conv, "C3": C3, "SPPF": SPPF, "Concat": Concat, "Upsample": n
 
 
 def make_divisible(x: float, divisor: int = 8) -> int:
+    """x rounded up to a multiple of divisor (channel counts after width scaling)."""
     return math.ceil(x / divisor) * divisor
 
 
@@ -259,10 +276,12 @@ class Model(nn.Module):
 
     @property
     def stride(self) -> torch.Tensor:
+        """Strides of the head's levels, float (nl,): [8, 16, 32]."""
         return self.model[-1].stride
 
     @property
     def nc(self) -> int:
+        """Number of classes."""
         return self.model[-1].nc
 
     def _init_biases(self) -> None:
@@ -274,6 +293,7 @@ class Model(nn.Module):
             b[:, 5:5 + head.nc] += math.log(0.6 / (head.nc - 0.99999))
 
     def forward(self, x: torch.Tensor):
+        """x float (bs, 3, H, W) in [0, 1] -> the head's output (Detect / Segment docstrings: train and eval)."""
         outputs = []
         for m in self.model:
             if m.f != -1:
@@ -307,6 +327,7 @@ class Model(nn.Module):
 
 
 def fuse_conv_bn(conv: nn.Conv2d, bn: nn.BatchNorm2d) -> nn.Conv2d:
+    """A new Conv2d with bias equal to bn(conv(x)) in eval mode (BN statistics folded into weights)."""
     fused = nn.Conv2d(conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, conv.padding,
                       conv.dilation, conv.groups, bias=True).requires_grad_(False).to(conv.weight.device)
     scale = bn.weight / torch.sqrt(bn.running_var + bn.eps)
@@ -319,6 +340,25 @@ def fuse_conv_bn(conv: nn.Conv2d, bn: nn.BatchNorm2d) -> nn.Conv2d:
 def de_parallel(model: nn.Module) -> nn.Module:
     """The plain model inside a DDP wrapper (or the model itself)."""
     return model.module if hasattr(model, "module") else model
+
+
+class ModelEMA:
+    """Exponential moving average of every float tensor of a model's state (weights and BN buffers).
+    decay = 0.9999 * (1 - exp(-updates / 2000)): short memory early in training, long later."""
+
+    def __init__(self, model: nn.Module, updates: int = 0, decay: float = 0.9999, tau: float = 2000):
+        self.ema = deepcopy(de_parallel(model)).eval().requires_grad_(False)
+        self.updates, self.decay, self.tau = updates, decay, tau
+
+    @torch.no_grad()
+    def update(self, model: nn.Module) -> None:
+        """One optimizer step done: ema = d * ema + (1 - d) * model, d growing with `updates`."""
+        self.updates += 1
+        d = self.decay * (1 - math.exp(-self.updates / self.tau))
+        state = de_parallel(model).state_dict()
+        for k, v in self.ema.state_dict().items():
+            if v.dtype.is_floating_point:
+                v.lerp_(state[k].detach(), 1 - d)
 
 
 # ---------------------------------------------------------------- checkpoints
@@ -399,3 +439,19 @@ def load_model(path: str | Path, device: str | torch.device = "cpu") -> Model:
         names = rec.__dict__.get("names")
         model.names = list(names.values()) if isinstance(names, dict) else list(names or model.names)
     return model.to(device).eval()
+
+
+def save_checkpoint(ckpt: dict, path: str | Path) -> None:
+    """torch.save to `path`.tmp, flushed to disk, then renamed over `path`: a crash, a kill or a full disk at
+    any moment leaves the previous file whole (a stale .tmp is overwritten by the next save, never read)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(ckpt, f)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    os.replace(tmp, path)

@@ -1,10 +1,12 @@
 """Batch pictures: a JPEG grid of images with boxes, class names and masks (torchvision.utils drawing).
 
 Used by training (train_batch0.jpg: labels of a mosaic batch) and validation (labels and predictions
-side by side as two files). Holds no metrics plots.
+side by side as two files), and results.png from a run's results.csv when matplotlib is installed
+(not a dependency). Holds no metrics (PR curves, confusion matrix).
 """
 from __future__ import annotations
 
+import csv
 import math
 from pathlib import Path
 
@@ -63,3 +65,23 @@ def draw_batch(images: torch.Tensor, targets: torch.Tensor | None = None, masks=
     Path(fname).parent.mkdir(parents=True, exist_ok=True)
     grid.save(fname, quality=90)
     return Path(fname)
+
+
+def plot_results(path: Path) -> None:
+    """results.png beside results.csv, one panel per column, when matplotlib is installed (not a dependency)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return print("results.png skipped: matplotlib is not installed")
+    with open(path) as f:
+        rows = list(csv.DictReader(f))
+    n = math.ceil((len(rows[0]) - 1) / 5)
+    fig, axes = plt.subplots(n, 5, figsize=(15, 3 * n), squeeze=False)
+    for ax, k in zip(axes.flat, list(rows[0])[1:]):
+        ax.plot([int(r["epoch"]) for r in rows], [float(r[k] or "nan") for r in rows], ".-")
+        ax.set_title(k, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path.with_suffix(".png"), dpi=100)
+    plt.close(fig)

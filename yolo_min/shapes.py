@@ -1,9 +1,12 @@
 """The embedded default dataset: deterministic synthetic shapes, generated on first use (no download).
 
-Three classes of filled shapes (circle, rectangle, triangle) in random bright colours on textured
-backgrounds, 128 train / 32 val JPEGs of 256 x 256 px in YOLO layout. Labels are the exact polygons
-the shapes were drawn from (circles as 48-gons), normalised; shapes never overlap, so every label
-matches its pixels. Task-agnostic: detection uses the polygons' extents.
+Three classes of filled shapes (circle, rectangle, triangle) on smooth, mildly noisy backgrounds:
+512 train / 64 val JPEGs of 128 x 128 px in YOLO layout, 1 to 4 non-overlapping shapes each (radius
+12-25% of the image). Each class has its own band of hues (circles red-yellow, rectangles green-cyan,
+triangles blue-magenta; the bands overlap at their edges), so colour and outline both tell the class
+and a YOLOv5n learns it on a CPU in minutes (README: mAP50 > 0.9 in 30 epochs at imgsz 128).
+Labels are the exact polygons the shapes were drawn from (circles as 48-gons), normalised: every
+label matches its pixels, for detection (the polygons' extents) and segmentation alike.
 Holds only generation; reading is datasets.py's job (`load_data_config("shapes")`).
 """
 from __future__ import annotations
@@ -14,10 +17,12 @@ import shutil
 from pathlib import Path
 
 import numpy as np
-from PIL import Image, ImageDraw, ImageFilter
+from PIL import Image, ImageDraw
 
 NAMES = ["circle", "rectangle", "triangle"]
-VERSION = 3
+VERSION = 4  # bump when the generated content changes: the cache folder is shapes-v{VERSION}
+N_TRAIN, N_VAL, SIZE = 512, 64, 128
+HUE_SPREAD = 0.2  # class k's hues: k/3 +- this (fraction of the colour wheel)
 
 
 def cache_root() -> Path:
@@ -25,18 +30,15 @@ def cache_root() -> Path:
     return Path(os.environ.get("YOLO_MIN_CACHE") or Path.home() / ".cache" / "yolo_min")
 
 
-def make_image(rng: np.random.Generator, size: int = 256) -> tuple[Image.Image, list]:
-    """One image and its labels [(cls, polygon (k,2) in pixels)]."""
-    grid = rng.integers(50, 200, (5, 5, 3), dtype=np.uint8)  # muted low-frequency colour field
+def make_image(rng: np.random.Generator, size: int = SIZE) -> tuple[Image.Image, list]:
+    """One RGB image (size x size) and its labels [(cls, polygon (k,2) float [x, y] in pixels)]."""
+    grid = rng.integers(70, 170, (4, 4, 3), dtype=np.uint8)  # muted low-frequency colour field
     im = Image.fromarray(grid).resize((size, size), Image.Resampling.BICUBIC)
     draw = ImageDraw.Draw(im)
-    for _ in range(rng.integers(1, 5)):  # distractor strokes
-        draw.line([tuple(rng.uniform(0, size, 2)), tuple(rng.uniform(0, size, 2))],
-                  fill=tuple(int(v) for v in rng.integers(40, 210, 3)), width=int(rng.integers(1, 3)))
     objects, labels = [], []
-    for _ in range(rng.integers(2, 6)):
-        for _try in range(30):
-            rad = rng.uniform(0.1, 0.22) * size
+    for _ in range(rng.integers(1, 5)):
+        for _try in range(30):  # a free spot: no overlap with the shapes already drawn
+            rad = rng.uniform(0.12, 0.25) * size
             c = rng.uniform(rad + 2, size - rad - 2, 2)
             if all(np.hypot(*(c - c2)) > rad + r2 + 4 for c2, r2 in objects):
                 break
@@ -55,17 +57,16 @@ def make_image(rng: np.random.Generator, size: int = 256) -> tuple[Image.Image, 
             ang = np.array([0, 2.1, 4.2]) + rng.uniform(-0.3, 0.3, 3)
             rr = rad * rng.uniform(0.85, 1.0, 3)
         poly = c + np.stack([rr * np.cos(ang + a), rr * np.sin(ang + a)], 1)
-        hue = rng.uniform(0, 1)
+        hue = (k / 3 + rng.uniform(-HUE_SPREAD, HUE_SPREAD)) % 1
         rgb = [int(255 * min(1, max(0, abs(6 * ((hue + o) % 1) - 3) - 1))) for o in (0, 2 / 3, 1 / 3)]
         draw.polygon([tuple(p) for p in (poly - 0.5)], fill=tuple(rgb))  # PIL vertices are pixel centres
         labels.append((k, poly))
-    noise = rng.normal(0, 6, (size, size, 3))
-    im = Image.fromarray(np.clip(np.asarray(im, np.float32) + noise, 0, 255).astype(np.uint8))
-    return im.filter(ImageFilter.SMOOTH) if rng.random() < 0.3 else im, labels
+    noise = rng.normal(0, 4, (size, size, 3))
+    return Image.fromarray(np.clip(np.asarray(im, np.float32) + noise, 0, 255).astype(np.uint8)), labels
 
 
-def generate(root: Path, n_train: int = 128, n_val: int = 32, size: int = 256, seed: int = 0) -> Path:
-    """Write images/{train,val}/*.jpg, labels/{train,val}/*.txt and shapes.yaml under root."""
+def generate(root: Path, n_train: int = N_TRAIN, n_val: int = N_VAL, size: int = SIZE, seed: int = 0) -> Path:
+    """Write images/{train,val}/*.jpg, labels/{train,val}/*.txt and shapes.yaml under root; returns the yaml."""
     rng = np.random.default_rng(seed)
     for split, n in (("train", n_train), ("val", n_val)):
         (root / "images" / split).mkdir(parents=True, exist_ok=True)
