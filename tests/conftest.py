@@ -39,3 +39,17 @@ def small_shapes(tmp_path_factory) -> str:
     names = "".join(f"  {i}: {n}\n" for i, n in enumerate(full["names"]))
     (root / "small_shapes.yaml").write_text(f"path: {root}\ntrain: train.txt\nval: val.txt\nnames:\n{names}")
     return str(root / "small_shapes.yaml")
+
+
+def deny_image_open(monkeypatch, suffix: str) -> None:
+    """Make PIL's Image.open raise PermissionError for files ending in `suffix`: tests run as root, who
+    reads anything, so an unreadable image is simulated at the open() call."""
+    from PIL import Image
+    real = Image.open
+
+    def deny(f, *a, **k):
+        if str(f).endswith(suffix):
+            raise PermissionError(13, "Permission denied", str(f))
+        return real(f, *a, **k)
+
+    monkeypatch.setattr(Image, "open", deny)

@@ -16,6 +16,7 @@ from yolo_min.augment import overlap_mask
 from yolo_min.datasets import (DataError, YOLODataset, build_dataloader, collate, load_data_config,
                                parse_labels, shard_batches)
 from yolo_min.plots import draw_batch
+from conftest import deny_image_open
 
 NO_HSV = dict(hsv_h=0.0, hsv_s=0.0, hsv_v=0.0)
 
@@ -182,14 +183,7 @@ def test_permission_denied(tmp_path, monkeypatch):
     """Root ignores permission bits, so the unreadable-image case is simulated at the open() call."""
     write_img(tmp_path / "images" / "t" / "a.jpg")
     write_label(tmp_path, "t", "a", "0 0.5 0.5 0.2 0.2\n")
-    real = Image.open
-
-    def deny(f, *a, **k):
-        if str(f).endswith("a.jpg"):
-            raise PermissionError(13, "Permission denied", str(f))
-        return real(f, *a, **k)
-
-    monkeypatch.setattr(Image, "open", deny)
+    deny_image_open(monkeypatch, "a.jpg")
     im = str(tmp_path / "images" / "t" / "a.jpg")
     status, _, _, msgs, _, _ = D.verify(im, str(tmp_path / "labels" / "t" / "a.txt"))
     assert status == D.CORRUPT and msgs == [f"{im}: image unreadable (permission denied); image skipped"]

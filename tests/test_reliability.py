@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 import train  # noqa: E402
 from test_datasets import make_hostile  # noqa: E402
+from conftest import deny_image_open  # noqa: E402
 from yolo_min.models import CFG_DIR, load_model  # noqa: E402
 
 PY = sys.executable
@@ -247,14 +248,7 @@ def test_hostile_dataset_trains_end_to_end(tiny, tmp_path, capsys, monkeypatch):
     exp = make_hostile(d)
     if os.geteuid() == 0:  # root reads anything: an unreadable image is simulated at the open() call
         Image.new("RGB", (64, 48)).save(d / "images" / "train" / "noperm.jpg")
-        real_open = Image.open
-
-        def deny(f, *a, **k):
-            if str(f).endswith("noperm.jpg"):
-                raise PermissionError(13, "Permission denied", str(f))
-            return real_open(f, *a, **k)
-
-        monkeypatch.setattr(Image, "open", deny)
+        deny_image_open(monkeypatch, "noperm.jpg")
         exp = {**exp, "images": exp["images"] + 1, "corrupt": exp["corrupt"] + 1,
                "corrupt_files": exp["corrupt_files"] + ["noperm"]}
     out = train.main(args_for(tiny, tmp_path, "--data", str(d / "data.yaml"), "--epochs", "1", "--batch-size", "2"))
