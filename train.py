@@ -67,7 +67,8 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm across ranks (CUDA only)")
     p.add_argument("--patience", type=int, default=100, help="early stop after N epochs without improvement (0: never)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--cache", choices=["ram"], default=None, help="keep decoded images in RAM")
+    p.add_argument("--cache", choices=["auto", "ram", "off"], default="auto",
+                   help="decode images once and keep them in RAM (auto: when they need < 10%% of free memory)")
     p.add_argument("--log-every", type=int, default=10, help="progress line every N iterations")
     p.add_argument("--noautoanchor", action="store_true")
     p.add_argument("--noval", action="store_true", help="validate the final epoch only")
@@ -228,7 +229,7 @@ def load_inputs(args: argparse.Namespace, world_size: int) -> tuple[dict, dict, 
                     if k in have and v.shape == have[k].shape and not k.endswith("anchors")}
             model.load_state_dict(keep, strict=False)
             dist.print0(f"Transferred {len(keep)}/{len(have)} items from {args.weights}")
-        kw = dict(imgsz=args.imgsz, task=model.task, stride=32, cache=args.cache, nc=data["nc"])
+        kw = dict(imgsz=args.imgsz, task=model.task, stride=32, cache=None if args.cache == "off" else args.cache, nc=data["nc"])
         train_set = YOLODataset(data["train"], augment=True, hyp=hyp, batch_size=args.batch_size // world_size,
                                 prefix="train: ", **kw)
         val_set = YOLODataset(data["val"], rect=True, batch_size=2 * args.batch_size // world_size, prefix="val: ",
@@ -311,7 +312,7 @@ def train(args: argparse.Namespace, info: dist.DistInfo) -> dict:
     need = 3 * 12 * sum(p.numel() for p in model.parameters())  # last.pt, best.pt, .tmp: weights, EMA, momentum
     save_dir = Path(dist.run_on_main(make_run_folder, args, restarted, need))
     last, best, csv_path = save_dir / "weights" / "last.pt", save_dir / "weights" / "best.pt", save_dir / "results.csv"
-    seed_everything(args.seed + rank)  # distinct augmentation on every rank
+    seed_everything(args.seed + rank)  # other randomness differs per rank; augmentation is seeded per sample
     task, names = model.task, data["names"]
     loss_names = ["box", "seg", "obj", "cls"] if task == "segment" else ["box", "obj", "cls"]
     kinds = {"box": "B", "mask": "M"} if task == "segment" else {"box": "B"}

@@ -1,20 +1,24 @@
 """Benchmark: train.py's whole training loop against the model-only step rate, YOLOv5n det and seg.
 
-Each case (task x imgsz) runs in a fresh child process, so its peak RSS is its own:
-  full loop   train.main on coco128 (or coco128-seg), batch 16, 2 workers, 1 epoch = 8 iterations
-              (the first, with worker start-up, is left out); validation on coco8 keeps the run short.
+Each case (task x imgsz) runs in a fresh child process:
   model-only  forward + loss + backward + optimizer step on 16-image batches taken from the same
-              dataset beforehand (no data loading, no EMA, no logging), in the same process afterwards.
-Prints img/s of both, their ratio and the peak RSS of the training process. Asserts nothing.
+              dataset beforehand (no data loading, no EMA, no logging), measured before AND after
+              the loop, so a machine that speeds up or slows down meanwhile affects both sides alike.
+  full loop   train.main on coco128 (or coco128-seg), batch 16, 2 workers, 3 epochs of 8 iterations
+              (the first of each, waiting for the workers, is left out); validation on coco8 at the end.
+Prints img/s of both, their ratio and the peak RSS of the training process during the loop. Asserts
+nothing. Figures on a shared machine move by +-7% between runs: --repeat N runs each case N times.
 --ddp adds det at 320 under torchrun, 2 processes x 1 thread (1 worker each), against 1 process x 2 threads.
 
-    python bench/bench_train.py [--cases det320 seg320 det640 seg640] [--iters 5] [--ddp]
+    python bench/bench_train.py [--cases det320 seg320 det640 seg640] [--iters 8] [--repeat 1] [--ddp]
 """
 import argparse
+import ctypes
 import json
 import os
 import re
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -37,42 +41,59 @@ def data_yaml(task: str, folder: Path) -> Path:
     return path
 
 
-def one_case(task: str, imgsz: int, iters: int) -> dict:
+def model_only(task: str, imgsz: int, data: Path, iters: int) -> float:
+    """img/s of forward + loss + backward + step on pre-made batches (one warm-up step first)."""
     import train
     from yolo_min.datasets import YOLODataset, build_dataloader, load_data_config
     from yolo_min.losses import DEFAULT_HYP, YOLOLoss, scale_hyp
     from yolo_min.models import Model
 
-    cfg = "yolov5n-seg.yaml" if task == "seg" else "yolov5n.yaml"
+    torch.manual_seed(0)
+    model = Model("yolov5n-seg.yaml" if task == "seg" else "yolov5n.yaml", nc=80).train()
+    crit = YOLOLoss(model, scale_hyp(DEFAULT_HYP, 80, imgsz))
+    opt = train.build_optimizer(model, 0.01, 0.937, 5e-4)
+    scaler = torch.amp.GradScaler("cuda", enabled=False)
+    ds = YOLODataset(load_data_config(str(data))["train"], imgsz, augment=True, batch_size=16, nc=80,
+                     task="segment" if task == "seg" else "detect")
+    batches = [b for _, b in zip(range(min(iters + 1, 8)), build_dataloader(ds, 16, 0)[0])]
+    for k in range(iters + 1):
+        if k == 1:
+            t0 = time.perf_counter()
+        loss, _ = train.forward_loss(model, crit, batches[k % len(batches)], torch.device("cpu"), False)
+        scaler.scale(loss).backward()
+        train.optimizer_step(model, opt, scaler, None)
+    return iters * 16 / (time.perf_counter() - t0)
+
+
+def peak_rss_gb(reset: bool = False) -> float:
+    """Peak RSS of this process in GB since the last reset (Linux: VmHWM, reset through clear_refs)."""
+    try:
+        if reset:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)  # give back what the model-only run freed (glibc)
+            Path("/proc/self/clear_refs").write_text("5")
+        return next(int(ln.split()[1]) for ln in open("/proc/self/status") if ln.startswith("VmHWM")) / 1e6
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # kB; since the process started
+
+
+def one_case(task: str, imgsz: int, iters: int) -> dict:
+    import train
+
     with tempfile.TemporaryDirectory() as tmp:
         data = data_yaml(task, Path(tmp))
+        before = model_only(task, imgsz, data, iters)
+        peak_rss_gb(reset=True)
         out = train.main(train.get_args_parser().parse_args(
-            ["--cfg", cfg, "--data", str(data), "--imgsz", str(imgsz), "--batch-size", "16", "--workers", "2",
-             "--epochs", "1", "--noautoanchor", "--log-every", "100", "--project", tmp]))
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # kB -> GB
-
-        torch.manual_seed(0)
-        d = load_data_config(str(data))
-        model = Model(cfg, nc=80).train()
-        hyp = scale_hyp(DEFAULT_HYP, 80, imgsz)
-        crit = YOLOLoss(model, hyp)
-        opt = train.build_optimizer(model, 0.01, 0.937, 5e-4)
-        scaler = torch.amp.GradScaler("cuda", enabled=False)
-        ds = YOLODataset(d["train"], imgsz, augment=True, hyp=DEFAULT_HYP, batch_size=16, nc=80,
-                         task="segment" if task == "seg" else "detect")
-        loader, _ = build_dataloader(ds, 16, 0, shuffle=True)
-        batches = [b for _, b in zip(range(iters + 1), loader)]
-        for k, batch in enumerate(batches):  # batch 0 warms up
-            if k == 1:
-                t0 = time.perf_counter()
-            loss, _ = train.forward_loss(model, crit, batch, torch.device("cpu"), False)
-            scaler.scale(loss).backward()
-            train.optimizer_step(model, opt, scaler, None)
-        model_only = iters * 16 / (time.perf_counter() - t0)
-    return {"case": f"{task}{imgsz}", "loop": out["img_s"][0], "model_only": model_only, "rss_gb": rss}
+            ["--cfg", "yolov5n-seg.yaml" if task == "seg" else "yolov5n.yaml", "--data", str(data), "--imgsz",
+             str(imgsz), "--batch-size", "16", "--workers", "2", "--epochs", "3", "--noval", "--noautoanchor",
+             "--log-every", "100", "--project", tmp]))
+        rss = peak_rss_gb()
+        after = model_only(task, imgsz, data, iters)
+    return {"case": f"{task}{imgsz}", "loop": statistics.mean(out["img_s"]), "model_only": (before + after) / 2,
+            "rss_gb": rss}
 
 
-def run_case(case: str, iters: int = 5) -> dict:
+def run_case(case: str, iters: int = 8) -> dict:
     """One case ("det320", "seg640", ...) in a fresh child process: {"case", "loop", "model_only" (img/s),
     "rss_gb" (peak RSS of the training process)}, or {"case", "error"} when it failed."""
     r = subprocess.run([sys.executable, __file__, "--one", case, "--iters", str(iters)], capture_output=True, text=True)
@@ -81,19 +102,19 @@ def run_case(case: str, iters: int = 5) -> dict:
 
 
 def ddp_compare() -> dict:
-    """train.py det 320, 1 epoch of coco128: {"1x2": img/s of 1 process x 2 threads, "2x1": 2 processes x 1
+    """train.py det 320, 2 epochs of coco128 (mean img/s of the epochs): {"1x2": img/s of 1 process x 2 threads, "2x1": 2 processes x 1
     thread under torchrun (gloo), "ratio": 2x1 / 1x2, "errors": [...]}."""
     out = {"errors": []}
     with tempfile.TemporaryDirectory() as tmp:
         common = ["train.py", "--data", str(data_yaml("det", Path(tmp))), "--imgsz", "320", "--batch-size", "16",
-                  "--epochs", "1", "--noautoanchor", "--log-every", "100"]
+                  "--epochs", "2", "--noval", "--noautoanchor", "--log-every", "100"]
         torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
         for name, cmd, env in (
                 ("1x2", [sys.executable, *common, "--workers", "2", "--project", f"{tmp}/a"], {}),
                 ("2x1", [*torchrun, *common, "--workers", "1", "--project", f"{tmp}/b"], {"OMP_NUM_THREADS": "1"})):
             r = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True)
-            m = re.search(r"epoch 1/1: (\S+) img/s", r.stdout)
-            out[name] = float(m.group(1)) if m else float("nan")
+            m = [float(x) for x in re.findall(r"epoch \d/2: (\S+) img/s", r.stdout)]
+            out[name] = statistics.mean(m) if m else float("nan")
             if not m:
                 out["errors"].append(f"{name}: {r.stderr[-300:]}")
     out["ratio"] = out["2x1"] / out["1x2"]
@@ -103,7 +124,8 @@ def ddp_compare() -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cases", nargs="+", default=["det320", "seg320", "det640", "seg640"])
-    p.add_argument("--iters", type=int, default=5, help="model-only steps timed (after one warm-up step)")
+    p.add_argument("--iters", type=int, default=8, help="model-only steps timed, before and after the loop")
+    p.add_argument("--repeat", type=int, default=1, help="runs of each case")
     p.add_argument("--ddp", action="store_true")
     p.add_argument("--one", help=argparse.SUPPRESS)  # child mode: one case, prints a RESULT line
     args = p.parse_args()
@@ -115,7 +137,7 @@ def main() -> None:
         sys.exit(f"{DATA} is absent: the benchmark needs ../shared/data (coco128, coco8)")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs; batch 16, 2 workers")
     print(f"{'case':8s} {'loop img/s':>11s} {'model-only img/s':>17s} {'loop/model':>11s} {'peak RSS':>9s}")
-    for case in args.cases:
+    for case in [c for c in args.cases for _ in range(args.repeat)]:
         res = run_case(case, args.iters)
         if "error" in res:
             print(f"{case:8s} failed: {res['error']}")

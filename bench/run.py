@@ -60,7 +60,7 @@ def measure(quick: bool) -> list[tuple[str, str, str, str]]:
 
     log("training loop vs model-only step (child processes)")
     for case in [f"{t}{s}" for s in sizes for t in ("det", "seg")]:
-        r = bench_train.run_case(case, iters=3 if quick else 5)
+        r = bench_train.run_case(case, iters=4 if quick else 8)
         name = f"{case[:3]} {case[3:]}"
         if "error" in r:
             rows.append(("train loop img/s (b16, 2 workers)", name, "failed", r["error"].splitlines()[-1][:40]))

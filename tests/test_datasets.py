@@ -329,11 +329,20 @@ def test_samplers_and_determinism(tmp_path):
         sampler.set_epoch(1)
         return [(b["indices"].tolist(), b["images"].clone(), b["targets"].clone()) for b in loader]
 
-    a, b, c = batches(3), batches(3), batches(4)
-    assert all(x[0] == y[0] and torch.equal(x[1], y[1]) and torch.equal(x[2], y[2]) for x, y in zip(a, b))
+    def same(a, b):
+        return len(a) == len(b) and all(x[0] == y[0] and torch.equal(x[1], y[1]) and torch.equal(x[2], y[2])
+                                        for x, y in zip(a, b))
+
+    a, c = batches(3), batches(4)
+    assert same(a, batches(3)) and same(a, batches(3, workers=0))  # any worker count: the same batches
     assert any(not torch.equal(x[1], y[1]) for x, y in zip(a, c))
     r0, r1 = batches(3, 0, 2, 0), batches(3, 1, 2, 0)
     assert sorted(i for x in r0 + r1 for i in x[0]) == list(range(4))
+    def per_image(batches):  # index -> (image, its targets)
+        return {i: (x[1][k], x[2][x[2][:, 0] == k, 1:]) for x in batches for k, i in enumerate(x[0])}
+
+    one, two = per_image(a), per_image(r0 + r1)  # 2 ranks augment each image as 1 rank does
+    assert all(torch.equal(one[i][0], two[i][0]) and torch.equal(one[i][1], two[i][1]) for i in range(4))
     vds = YOLODataset(make_squares(tmp_path, False), imgsz=64, rect=True, batch_size=3, nc=1)
     loader, _ = build_dataloader(vds, 3, workers=0, shuffle=False, rank=1, world_size=2)
     assert [b["indices"].tolist() for b in loader] == [[3]]
@@ -367,19 +376,20 @@ def test_two_ranks_share_cache_and_shard_validation(tmp_path):
     assert sorted(r0["idx"] + r1["idx"]) == [0, 1, 2, 3] and not set(r0["idx"]) & set(r1["idx"])
 
 
-def test_cache_ram_shared_across_workers(tmp_path):
+def test_cache_ram(tmp_path, monkeypatch):
     src = make_squares(tmp_path, False)
     plain = YOLODataset(src, imgsz=64, rect=True, batch_size=2, nc=1)
     ref = [collate([plain[i], plain[i + 1]]) for i in (0, 2)]
-    ds = YOLODataset(src, imgsz=64, rect=True, batch_size=2, nc=1, cache="ram")
-    assert not any(ds._ram_ok[:])
-    loader, _ = build_dataloader(ds, 2, workers=2, shuffle=False)
-    first = [b["images"] for b in loader]
-    assert all(ds._ram_ok[:])  # filled by the worker processes, visible here
+    monkeypatch.setattr(D, "available_memory", lambda: 10 * plain._offs[-1])  # 10% is just too little
+    assert YOLODataset(src, imgsz=64, rect=True, batch_size=2, nc=1, cache="auto")._ram is None
+    monkeypatch.setattr(D, "available_memory", lambda: 10 * plain._offs[-1] + 1)
+    ds = YOLODataset(src, imgsz=64, rect=True, batch_size=2, nc=1, cache="auto")
+    assert ds._ram is not None and ds._ram.nbytes == sum(w * h * 3 for w, h in ds._dims)
     for f in ds.im_files:
-        os.remove(f)  # now served from RAM only
-    for x, b, p in zip(first, loader, ref):
-        assert torch.equal(x, b["images"]) and (x.float() - p["images"].float()).abs().mean() < 2
+        os.remove(f)  # decoded at construction: now served from RAM only, also by worker processes
+    loader, _ = build_dataloader(ds, 2, workers=2, shuffle=False)
+    for b, p in zip(loader, ref):
+        assert b["images"].shape == p["images"].shape and (b["images"].float() - p["images"].float()).abs().mean() < 2
 
 
 # ---------------------------------------------------------------- real data

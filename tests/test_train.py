@@ -194,8 +194,9 @@ def test_shapes_dataset_is_the_default(tmp_path):
 @pytest.mark.slow
 def test_resume_continues_exactly(tmp_path, data_dir, monkeypatch):
     """A run of 3 epochs stopped after epoch 1, resumed with --resume, stopped after epoch 2 and resumed
-    as after a torchrun restart ends with the checkpoint and results of an uninterrupted run."""
-    common = ["--data", str(data_dir / "coco8.yaml"), "--epochs", "3", "--noautoanchor"]
+    as after a torchrun restart ends with the checkpoint and results of an uninterrupted run (with
+    loader workers: augmentation is seeded per sample)."""
+    common = ["--data", str(data_dir / "coco8.yaml"), "--epochs", "3", "--noautoanchor", "--workers", "2"]
     whole = Path(train.main(args_for(tmp_path / "a", *common))["save_dir"])
 
     save = train.save_checkpoint

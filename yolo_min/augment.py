@@ -79,7 +79,8 @@ def _paste(out: torch.Tensor, src: torch.Tensor, ax: float, bx: float, ay: float
 def render(pieces: list[Piece], M: np.ndarray, out_wh: tuple, load: Loader, shapes: list) -> tuple[torch.Tensor, list]:
     """Draw the pieces through canvas->output matrix M onto a 114-grey uint8 (3,H,W) image of size out_wh.
 
-    Scale/translate-only M (the default): each source is decoded at reduced scale when possible and
+    Scale/translate-only M (the default): each source is decoded at reduced scale when possible, but
+    never finer than its letterbox size r (yolov5 resizes to r first, and so does cache='ram'), and
     resampled straight into its output rectangle (one resampling). Rotation/shear/perspective: the
     canvas is drawn first, then warped once with PIL's AFFINE/PERSPECTIVE transform.
     shapes[k] = (h0, w0) original size of pieces[k]. Also returns per piece the (dx, dy) canvas-pixel
@@ -105,7 +106,7 @@ def render(pieces: list[Piece], M: np.ndarray, out_wh: tuple, load: Loader, shap
             shifts.append((0.0, 0.0))
             continue
         ax, ay = M[0, 0] * p.r, M[1, 1] * p.r  # original pixels -> output pixels
-        im, (sx, sy) = load(p.index, max(ax, ay))
+        im, (sx, sy) = load(p.index, min(max(ax, ay), p.r))
         dx, dy = _paste(out, im, ax / sx, M[0, 0] * p.ox + M[0, 2], ay / sy, M[1, 1] * p.oy + M[1, 2], (X0, Y0, X1, Y1))
         shifts.append((dx / M[0, 0], dy / M[1, 1]))
     return out, shifts

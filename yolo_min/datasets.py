@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import mmap
 import os
 import random
 from concurrent.futures import ThreadPoolExecutor
@@ -269,6 +268,15 @@ def load_labels(files: list, nc: int | None = None, prefix: str = "") -> tuple[l
     return keep, labels, stats
 
 
+def available_memory() -> int:
+    """Bytes of memory available for new allocations (Linux MemAvailable); 0 where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return 0
+
+
 class YOLODataset(Dataset):
     """Images and labels of YOLO-format sources as training (mosaic) or validation (letterbox) samples.
 
@@ -278,8 +286,8 @@ class YOLODataset(Dataset):
     original pixel * r + pad; `index`. `labels[i]`: cls (n,) int64, bboxes (n,4) normalised xywh,
     segments [(k,2) normalised] or [], shape (h,w). With rect=True files are sorted by aspect ratio and
     the batch of `batch_size` consecutive indices shares `batch_shapes[i // batch_size]` (H, W).
-    cache="ram": images resized to long side imgsz kept in lazily filled shared memory (fork workers
-    share it; untouched pages cost nothing, so a DDP rank only holds what it read).
+    cache="ram": every image is decoded once here (threads), resized to long side imgsz and kept in RAM
+    (forked workers share it); "auto": the same when that needs < 10% of the available memory.
     """
 
     def __init__(self, sources, imgsz: int = 640, augment: bool = False, hyp: dict | None = None,
@@ -299,11 +307,16 @@ class YOLODataset(Dataset):
             ar = [hw[b:b + batch_size, 0] / hw[b:b + batch_size, 1] for b in range(0, len(hw), batch_size)]
             rel = np.array([[a[-1], 1] if a[-1] < 1 else [1, 1 / a[0]] if a[0] > 1 else [1, 1] for a in ar])
             self.batch_shapes = np.ceil(rel * imgsz / stride + pad).astype(int) * stride
-        self._ram = None
+        self._dims = np.round(hw[:, ::-1] * imgsz / hw.max(1, keepdims=True)).astype(int)  # (w, h) at imgsz
+        self._offs, self._ram = np.cumsum([0, *(self._dims.prod(1) * 3)]), None
+        if cache == "auto":  # small enough: decode each image once instead of in every epoch
+            ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            cache = "ram" if self._offs[-1] * ranks < available_memory() / 10 else None
         if cache == "ram":
-            self._dims = np.round(hw[:, ::-1] * imgsz / hw.max(1, keepdims=True)).astype(int)  # (w, h)
-            self._offs = np.cumsum([0] + [w * h * 3 for w, h in self._dims])
-            self._ram, self._ram_ok = mmap.mmap(-1, int(self._offs[-1])), mmap.mmap(-1, len(self.labels))
+            self._ram = np.empty(self._offs[-1], np.uint8)  # forked workers share these pages (never written)
+            with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:  # PIL decodes outside the GIL
+                list(pool.map(self._cache, range(len(self))))
+            dist.print0(f"{prefix}{len(self)} images cached in RAM ({self._offs[-1] / 1e6:.0f} MB)")
 
     def __len__(self) -> int:
         return len(self.im_files)
@@ -315,12 +328,13 @@ class YOLODataset(Dataset):
         if self._ram is None:
             im = self._decode(i, scale)
             return torch.from_numpy(np.array(im)), (im.width / w0, im.height / h0)
-        w, h = map(int, self._dims[i])
-        buf = np.frombuffer(self._ram, np.uint8, w * h * 3, int(self._offs[i])).reshape(h, w, 3)
-        if not self._ram_ok[i]:
-            buf[:] = np.asarray(self._decode(i, w / w0).resize((w, h), Image.Resampling.BILINEAR))
-            self._ram_ok[i] = 1
-        return torch.from_numpy(buf), (w / w0, h / h0)
+        (w, h), start = map(int, self._dims[i]), self._offs[i]
+        return torch.from_numpy(self._ram[start:start + w * h * 3].reshape(h, w, 3)), (w / w0, h / h0)
+
+    def _cache(self, i: int) -> None:
+        (w, h), start = map(int, self._dims[i]), self._offs[i]
+        im = self._decode(i, w / self.labels[i]["shape"][1]).resize((w, h), Image.Resampling.BILINEAR)
+        self._ram[start:start + w * h * 3] = np.asarray(im).ravel()
 
     def _decode(self, i: int, scale: float) -> Image.Image:
         try:
@@ -351,7 +365,12 @@ class YOLODataset(Dataset):
             pieces.append(Piece(k, r, x0, y0, clip))
         return pieces, (2 * s, 2 * s)
 
-    def __getitem__(self, i: int) -> dict:
+    def __getitem__(self, key: int | tuple) -> dict:
+        """key: an index, or (seed, epoch, index) from EpochSampler, which seeds this sample's augmentation."""
+        i = key
+        if isinstance(key, tuple):
+            random.seed("%d:%d:%d" % key)  # one stream per sample: the same images at any worker count or rank
+            i = key[2]
         hyp = self.hyp
         mosaic = self.augment and not self.rect and random.random() < hyp["mosaic"]
         pieces, canvas = self._pieces(i, mosaic)
@@ -410,17 +429,28 @@ def shard_batches(n: int, batch_size: int, rank: int = 0, world_size: int = 1) -
     return [list(range(s, min(s + batch_size, n))) for s in range(rank * batch_size, n, world_size * batch_size)]
 
 
+class EpochSampler(DistributedSampler):
+    """DistributedSampler yielding (seed, epoch, index) keys, so each sample's augmentation depends only on
+    them: batches are the same for any number of workers, and a resumed run sees the same images."""
+
+    def __iter__(self):
+        return ((self.seed, self.epoch, i) for i in super().__iter__())
+
+
 def build_dataloader(dataset: YOLODataset, batch_size: int, workers: int = 8, shuffle: bool = True,
                      rank: int = 0, world_size: int = 1, seed: int = 0, pin_memory: bool | None = None):
-    """-> (DataLoader, sampler). shuffle=True (training): a seeded DistributedSampler, also at world size 1
-    (call `sampler.set_epoch(e)`). shuffle=False (validation): the `shard_batches` list. Worker RNGs
-    (random, numpy, torch) derive from `seed` and the rank: the same seed gives the same batches."""
+    """-> (DataLoader, sampler). shuffle=True (training): a seeded EpochSampler, also at world size 1
+    (call `sampler.set_epoch(e)`): the same seed gives the same batches. shuffle=False (validation): the
+    `shard_batches` list.
+    `workers` is capped at this rank's share of the CPUs (more would only compete with training)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    workers = min(workers, max(cpus // int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1))
     g = torch.Generator()
     g.manual_seed(seed * 1000 + rank)
     kw = dict(num_workers=workers, collate_fn=collate, generator=g, persistent_workers=workers > 0,
               pin_memory=torch.cuda.is_available() if pin_memory is None else pin_memory)
     if shuffle:
-        sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed)
+        sampler = EpochSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed)
         return DataLoader(dataset, batch_size=batch_size, sampler=sampler, **kw), sampler
     if dataset.rect and batch_size != dataset.batch_size:
         raise ValueError(f"rect dataset built for batch {dataset.batch_size}, loader asked for {batch_size}")
