@@ -11,10 +11,11 @@ import torch
 from PIL import Image, ImageDraw
 
 from yolo_min import datasets as D
+from yolo_min import labels as L
 from yolo_min import shapes
 from yolo_min.augment import overlap_mask
-from yolo_min.datasets import (DataError, YOLODataset, build_dataloader, collate, load_data_config,
-                               parse_labels, shard_batches)
+from yolo_min.datasets import DataError, YOLODataset, build_dataloader, collate, load_data_config, shard_batches
+from yolo_min.labels import parse_labels
 from yolo_min.plots import draw_batch
 from conftest import deny_image_open
 
@@ -50,9 +51,9 @@ def test_data_config(tmp_path):
     cfg = load_data_config(str(y))
     assert cfg["names"] == ["cat", "dog"] and cfg["nc"] == 2
     assert cfg["train"] == [str(tmp_path / "d" / "images" / "a"), str(tmp_path / "d" / "list.txt")]
-    files, _ = D.list_images(cfg["train"])
+    files, _ = L.list_images(cfg["train"])
     assert [Path(f).name for f in files] == ["x.jpg", "y.jpg"]
-    assert D.img2label_path("/r/images/images/t/x.jpg") == "/r/images/labels/t/x.txt"
+    assert L.img2label_path("/r/images/images/t/x.jpg") == "/r/images/labels/t/x.txt"
     for text, err in [("train: a\nval: a\n", r"missing key\(s\) names"),
                       ("path: ../d\ntrain: images/a\nval: images/a\nnames: [a, b]\nnc: 3\n", "nc is 3"),
                       ("path: ../d\ntrain: nope\nval: images/a\nnames: [a]\n", "train source"),
@@ -161,7 +162,7 @@ def test_hostile_dataset(tmp_path, capsys, monkeypatch):
     b = collate([ds[i] for i in range(len(ds))])  # trains on the good files
     assert b["images"].shape == (6, 3, 64, 64) and b["masks"].shape == (6, 16, 16)
     # the cache is used on the next run (nothing re-verified), warnings are shown again
-    monkeypatch.setattr(D, "verify", lambda *a: (_ for _ in ()).throw(AssertionError("re-verified")))
+    monkeypatch.setattr(L, "verify", lambda *a: (_ for _ in ()).throw(AssertionError("re-verified")))
     YOLODataset(cfg["train"], imgsz=64, nc=3, prefix="train: ")
     assert "rows.txt:3: NaN" in capsys.readouterr().out
     # a changed label file invalidates it
@@ -185,8 +186,8 @@ def test_permission_denied(tmp_path, monkeypatch):
     write_label(tmp_path, "t", "a", "0 0.5 0.5 0.2 0.2\n")
     deny_image_open(monkeypatch, "a.jpg")
     im = str(tmp_path / "images" / "t" / "a.jpg")
-    status, _, _, msgs, _, _ = D.verify(im, str(tmp_path / "labels" / "t" / "a.txt"))
-    assert status == D.CORRUPT and msgs == [f"{im}: image unreadable (permission denied); image skipped"]
+    status, _, _, msgs, _, _ = L.verify(im, str(tmp_path / "labels" / "t" / "a.txt"))
+    assert status == L.CORRUPT and msgs == [f"{im}: image unreadable (permission denied); image skipped"]
 
 
 def test_readonly_label_folder(tmp_path, capsys):
@@ -353,8 +354,8 @@ def test_samplers_and_determinism(tmp_path):
 def _ddp_rank(rank: int, src: str, out: str, port: int):
     os.environ.update(LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    calls, real = [], D.verify
-    D.verify = lambda *a: calls.append(a[0]) or real(*a)
+    calls, real = [], L.verify
+    L.verify = lambda *a: calls.append(a[0]) or real(*a)
     ds = YOLODataset(src, imgsz=64, rect=True, batch_size=1, nc=1)
     idx = [i for b in build_dataloader(ds, 1, workers=0, shuffle=False, rank=rank, world_size=2)[0]
            for i in b["indices"].tolist()]

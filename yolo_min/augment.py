@@ -4,7 +4,7 @@ Holds yolov5's random affine as a 3x3 matrix, `render` (mosaic pieces or a lette
 through it in ONE resampling per source), `place_labels` (boxes and polygons through the same geometry,
 box candidates), HSV jitter and polygon -> overlap-mask rasterisation. Coordinates are continuous
 pixels (pixel j covers [j, j+1)); boxes xyxy. Randomness: `random` (seeded per worker by torch).
-File reading and batching live in datasets.py.
+File reading and batching live in datasets.py, label verification in labels.py.
 """
 from __future__ import annotations
 
