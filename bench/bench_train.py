@@ -2,10 +2,11 @@
 
 Each case (task x imgsz) runs in a fresh child process:
   model-only  forward + loss + backward + optimizer step on 16-image batches taken from the same
-              dataset beforehand (no data loading, no EMA, no logging), measured before AND after
-              the loop, so a machine that speeds up or slows down meanwhile affects both sides alike.
-  full loop   train.main on coco128 (or coco128-seg), batch 16, 2 workers, 3 epochs of 8 iterations
+              dataset beforehand (no data loading, no EMA, no logging), 8 steps after a warm-up one.
+  full loop   train.main on coco128 (or coco128-seg), batch 16, 2 workers, 2 epochs of 8 iterations
               (the first of each, waiting for the workers, is left out); validation on coco8 at the end.
+The two alternate (model-only, loop, model-only, loop, model-only), so a machine that speeds up or
+slows down meanwhile affects both sides alike.
 Prints img/s of both, their ratio and the peak RSS of the training process during the loop. Asserts
 nothing. Figures on a shared machine move by +-7% between runs: --repeat N runs each case N times.
 --ddp adds det at 320 under torchrun, 2 processes x 1 thread (1 worker each), against 1 process x 2 threads.
@@ -76,20 +77,26 @@ def peak_rss_gb(reset: bool = False) -> float:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # kB; since the process started
 
 
-def one_case(task: str, imgsz: int, iters: int) -> dict:
+def one_case(task: str, imgsz: int, iters: int, rounds: int = 2) -> dict:
+    """Model-only and the full loop (2 epochs) alternate, model-only first and last: {"case", "loop",
+    "model_only" (mean img/s of each), "rss_gb" (the loops' peak RSS)}."""
     import train
 
+    loops, models, rss = [], [], 0.0
     with tempfile.TemporaryDirectory() as tmp:
         data = data_yaml(task, Path(tmp))
-        before = model_only(task, imgsz, data, iters)
-        peak_rss_gb(reset=True)
-        out = train.main(train.get_args_parser().parse_args(
-            ["--cfg", "yolov5n-seg.yaml" if task == "seg" else "yolov5n.yaml", "--data", str(data), "--imgsz",
-             str(imgsz), "--batch-size", "16", "--workers", "2", "--epochs", "3", "--noval", "--noautoanchor",
-             "--log-every", "100", "--project", tmp]))
-        rss = peak_rss_gb()
-        after = model_only(task, imgsz, data, iters)
-    return {"case": f"{task}{imgsz}", "loop": statistics.mean(out["img_s"]), "model_only": (before + after) / 2,
+        for r in range(rounds + 1):
+            models.append(model_only(task, imgsz, data, iters))
+            if r == rounds:
+                break
+            peak_rss_gb(reset=True)
+            out = train.main(train.get_args_parser().parse_args(
+                ["--cfg", "yolov5n-seg.yaml" if task == "seg" else "yolov5n.yaml", "--data", str(data), "--imgsz",
+                 str(imgsz), "--batch-size", "16", "--workers", "2", "--epochs", "2", "--noval", "--noautoanchor",
+                 "--log-every", "100", "--project", tmp]))
+            loops += out["img_s"]
+            rss = max(rss, peak_rss_gb())
+    return {"case": f"{task}{imgsz}", "loop": statistics.mean(loops), "model_only": statistics.mean(models),
             "rss_gb": rss}
 
 

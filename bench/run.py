@@ -1,7 +1,7 @@
 """Every speed figure of yolo_min in one table, with a description of the machine it ran on.
 
-    python bench/run.py            # everything: about 6 minutes on 2 CPU cores
-    python bench/run.py --quick    # imgsz 320 only, fewer images, no DDP: about 2 minutes
+    python bench/run.py            # everything: about 13 minutes on 2 CPU cores
+    python bench/run.py --quick    # imgsz 320 only, fewer images, no DDP: about 4 minutes
 
 Sections (each also runnable alone, with more detail): bench_data.py (dataloader img/s of one worker
 process, 1 thread, next to yolov5's OpenCV pipeline), bench_train.py (train.py's loop against the
