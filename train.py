@@ -141,23 +141,21 @@ def run_path(args: argparse.Namespace, restarted: bool = False) -> Path:
     return Path(args.project) / (args.name if n == 1 else f"{args.name}{n}")
 
 
-def rng_state(loader=None) -> dict:
-    """This process's random states (python, numpy, torch, CUDA, the loader's generator) as plain values."""
+def rng_state() -> dict:
+    """This process's random states (python, numpy, torch, CUDA) as plain values. (Augmentation has its own
+    seeds: EpochSampler hands each sample (seed, epoch, index).)"""
     name, keys, *rest = np.random.get_state()
     return {"python": random.getstate(), "numpy": [name, keys.tolist(), *rest], "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-            "loader": loader.generator.get_state() if loader is not None else None}
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
 
 
-def set_rng_state(state: dict, loader=None) -> None:
+def set_rng_state(state: dict) -> None:
     name, keys, *rest = state["numpy"]
     np.random.set_state((name, np.array(keys, np.uint32), *rest))
     random.setstate(state["python"])
     torch.set_rng_state(state["torch"])
     if state["cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-    if loader is not None and state["loader"] is not None:
-        loader.generator.set_state(state["loader"])
 
 
 def seed_everything(seed: int) -> None:
@@ -343,7 +341,7 @@ def train(args: argparse.Namespace, info: dist.DistInfo) -> dict:
         if master and csv_path.exists():  # keep the header and the rows of the epochs in the checkpoint
             csv_path.write_text("".join(csv_path.read_text().splitlines(keepends=True)[:start_epoch + 1]))
         if ckpt["rng"]["world_size"] == world_size:
-            set_rng_state(ckpt["rng"]["ranks"][rank], train_loader)
+            set_rng_state(ckpt["rng"]["ranks"][rank])
         dist.print0(f"Resuming {save_dir} at epoch {start_epoch + 1}/{args.epochs}")
     if args.sync_bn and cuda and world_size > 1:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
@@ -396,7 +394,7 @@ def train(args: argparse.Namespace, info: dist.DistInfo) -> dict:
             metrics = evaluate(ema.ema, val_loader, val_set, device=device, half=amp, names=names)
             if metrics["fitness"] >= best_fitness:
                 best_fitness, best_epoch = metrics["fitness"], epoch
-        rngs = dist.all_gather_object(rng_state(train_loader))
+        rngs = dist.all_gather_object(rng_state())
         if master:
             row = {"epoch": epoch + 1, **{f"train/{n}_loss": float(v) for n, v in zip(loss_names, mloss)},
                    **{f"metrics/{k}({s})": metrics[kind][k] if metrics else "" for kind, s in kinds.items()

@@ -96,8 +96,7 @@ class YOLODataset(Dataset):
         self._dims = np.round(hw[:, ::-1] * imgsz / hw.max(1, keepdims=True)).astype(int)  # (w, h) at imgsz
         self._offs, self._ram = np.cumsum([0, *(self._dims.prod(1) * 3)]), None
         if cache == "auto":  # small enough: decode each image once instead of in every epoch
-            ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-            cache = "ram" if self._offs[-1] * ranks < available_memory() / 10 else None
+            cache = "ram" if self._offs[-1] * dist.local_world_size() < available_memory() / 10 else None
         if cache == "ram":
             self._ram = np.empty(self._offs[-1], np.uint8)  # forked workers share these pages (never written)
             with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:  # PIL decodes outside the GIL
@@ -230,10 +229,8 @@ def build_dataloader(dataset: YOLODataset, batch_size: int, workers: int = 8, sh
     `shard_batches` list.
     `workers` is capped at this rank's share of the CPUs (more would only compete with training)."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    workers = min(workers, max(cpus // int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1))
-    g = torch.Generator()
-    g.manual_seed(seed * 1000 + rank)
-    kw = dict(num_workers=workers, collate_fn=collate, generator=g, persistent_workers=workers > 0,
+    workers = min(workers, max(cpus // dist.local_world_size(), 1))
+    kw = dict(num_workers=workers, collate_fn=collate, persistent_workers=workers > 0,
               pin_memory=torch.cuda.is_available() if pin_memory is None else pin_memory)
     if shuffle:
         sampler = EpochSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed)

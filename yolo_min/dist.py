@@ -32,6 +32,11 @@ class DistInfo:
         return self.rank == 0
 
 
+def local_world_size() -> int:
+    """Processes of this run on this machine (torchrun's LOCAL_WORLD_SIZE; 1 without torchrun)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
 def select_device(device: str = "") -> torch.device:
     """'' -> cuda:0 if available else cpu; 'cpu'; 'cuda'; '0' or 'cuda:1'. Asking for CUDA without it is an error."""
     device = str(device).strip().lower()
