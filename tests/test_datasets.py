@@ -383,6 +383,9 @@ def test_cache_ram(tmp_path, monkeypatch):
     ref = [collate([plain[i], plain[i + 1]]) for i in (0, 2)]
     monkeypatch.setattr(D, "available_memory", lambda: 10 * plain._offs[-1])  # 10% is just too little
     assert YOLODataset(src, imgsz=64, rect=True, batch_size=2, nc=1, cache="auto")._ram is None
+    monkeypatch.setattr(D, "available_memory", lambda: plain._offs[-1] - 1)
+    with pytest.raises(DataError, match="caching the images in RAM needs .* GB is available: use --cache off"):
+        YOLODataset(src, imgsz=64, rect=True, batch_size=2, nc=1, cache="ram")
     monkeypatch.setattr(D, "available_memory", lambda: 10 * plain._offs[-1] + 1)
     ds = YOLODataset(src, imgsz=64, rect=True, batch_size=2, nc=1, cache="auto")
     assert ds._ram is not None and ds._ram.nbytes == sum(w * h * 3 for w, h in ds._dims)

@@ -33,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 import train  # noqa: E402
 from test_datasets import make_hostile  # noqa: E402
 from conftest import deny_image_open  # noqa: E402
+from yolo_min import datasets  # noqa: E402
 from yolo_min.models import CFG_DIR, load_model  # noqa: E402
 
 PY = sys.executable
@@ -307,6 +308,14 @@ def test_bad_configuration_is_one_line_exit_2(tiny, tmp_path):
     msg = "train.py: error: --batch-size 1 must be a multiple of the world size 2"
     assert rc != 0 and msg in err and "[rank0]: Traceback" not in err, err[-3000:]
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("runs")) == []
+
+
+def test_cache_that_does_not_fit_is_a_config_error(tiny, tmp_path, monkeypatch):
+    monkeypatch.setattr(datasets, "available_memory", lambda: 1000)  # bytes: far less than the images need
+    with pytest.raises(train.ConfigError, match="train: caching the images in RAM needs .*: use --cache off"):
+        train.load_inputs(args_for(tiny, tmp_path, "--cache", "ram"), world_size=1)
+    assert not (tmp_path / "runs").exists()
+    train.load_inputs(args_for(tiny, tmp_path), world_size=1)  # --cache auto: simply no cache
 
 
 def test_imgsz_is_rounded_up_with_a_warning(tiny, tmp_path, capsys):

@@ -95,8 +95,12 @@ class YOLODataset(Dataset):
             self.batch_shapes = np.ceil(rel * imgsz / stride + pad).astype(int) * stride
         self._dims = np.round(hw[:, ::-1] * imgsz / hw.max(1, keepdims=True)).astype(int)  # (w, h) at imgsz
         self._offs, self._ram = np.cumsum([0, *(self._dims.prod(1) * 3)]), None
+        need, free = self._offs[-1] * dist.local_world_size(), available_memory()
         if cache == "auto":  # small enough: decode each image once instead of in every epoch
-            cache = "ram" if self._offs[-1] * dist.local_world_size() < available_memory() / 10 else None
+            cache = "ram" if need < free / 10 else None
+        if cache == "ram" and free and need > free:
+            raise DataError(f"{prefix}caching the images in RAM needs {need / 1e9:.1f} GB, {free / 1e9:.1f} GB "
+                            f"is available: use --cache off")
         if cache == "ram":
             self._ram = np.empty(self._offs[-1], np.uint8)  # forked workers share these pages (never written)
             with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:  # PIL decodes outside the GIL
