@@ -192,21 +192,22 @@ class YOLOLoss:
         bw, hw = (c1 - c0).clamp(min=0), mh * mw
         cnt = bw * (r1 - r0).clamp(min=0)  # pixels per box
         p = torch.repeat_interleave(torch.arange(len(b), device=b.device), cnt)  # pair -> positive
-        q = torch.arange(len(p), device=b.device) - torch.repeat_interleave(cnt.cumsum(0) - cnt, cnt)
+        q = torch.arange(len(p), device=b.device) - (cnt.cumsum(0) - cnt)[p]  # place within its box
         w_p = bw[p]
         row = q // w_p  # (row, column) within the box, row-major
-        pix = q + row * (mw - w_p) + torch.repeat_interleave(r0 * mw + c0, cnt)  # pixel index in the map
+        pix = q + row * (mw - w_p) + (r0 * mw + c0)[p]  # pixel index in the map
         logits, p0, q0 = [], 0, 0
         pos_per_img = torch.bincount(b, minlength=bs).tolist()
         pairs_per_img = torch.zeros(bs, dtype=cnt.dtype, device=b.device).index_add(0, b, cnt).tolist()
+        per_image = protos.view(bs, nm, -1).unbind(0)  # one backward for all images, not one per image
         for bi, (npos, npairs) in enumerate(zip(pos_per_img, pairs_per_img)):
             if npairs:  # logits of this image's positives (npos, mh * mw), taken at their boxes' pixels
-                maps = coefs[p0:p0 + npos] @ protos[bi].view(nm, -1)
+                maps = coefs[p0:p0 + npos] @ per_image[bi]
                 logits.append(maps.view(-1)[(p[q0:q0 + npairs] - p0) * hw + pix[q0:q0 + npairs]])
             p0, q0 = p0 + npos, q0 + npairs
         per_pos = torch.zeros_like(x)
         if logits:
-            gt = masks.reshape(-1)[torch.repeat_interleave(b * hw, cnt) + pix] == torch.repeat_interleave(idx, cnt)
+            gt = masks.reshape(-1)[(b * hw)[p] + pix] == idx[p]
             bce = F.binary_cross_entropy_with_logits(torch.cat(logits), gt.to(protos.dtype), reduction="none")
             per_pos = per_pos.index_add(0, p, bce.float())
         per_pos = per_pos / (mh * mw) / (xywhn[:, 2] * xywhn[:, 3])  # mean over the map / normalised area
