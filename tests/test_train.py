@@ -1,6 +1,8 @@
 """train.py: the recipe parts on hand-computed cases, then short single-process runs (CPU, tiny data)."""
 import csv
 import math
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -89,6 +91,25 @@ def test_checkpoint_is_atomic_and_weights_only(tmp_path):
     b = (torch.rand(3), np.random.rand(3), __import__("random").random())
     train.set_rng_state(ckpt["rng"])
     assert torch.equal(a[0], b[0]) and np.array_equal(a[1], b[1]) and a[2] == b[2]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_stop_signal_during_checkpoint_write_waits_for_it(tmp_path, monkeypatch, sig):
+    real = torch.save
+
+    def save_interrupted(obj, f):
+        os.kill(os.getpid(), sig)  # arrives while the checkpoint is being written
+        real(obj, f)
+
+    signal.signal(signal.SIGTERM, train._stop_on_sigterm)  # as train.py installs it (restored below)
+    try:
+        monkeypatch.setattr(torch, "save", save_interrupted)
+        with pytest.raises(KeyboardInterrupt):  # raised once the file is whole and in place
+            train.save_checkpoint({"epoch": 3, "w": torch.ones(3)}, tmp_path / "last.pt")
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    assert torch.load(tmp_path / "last.pt", weights_only=True)["epoch"] == 3
+    assert [p.name for p in tmp_path.iterdir()] == ["last.pt"]
 
 
 def test_run_folders_and_resume_lookup(tmp_path):

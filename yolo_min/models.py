@@ -9,9 +9,12 @@ weights' moving average, lives here beside `de_parallel`).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import pickle
+import signal
+import threading
 from copy import deepcopy
 from pathlib import Path
 
@@ -443,15 +446,35 @@ def load_model(path: str | Path, device: str | torch.device = "cpu") -> Model:
 
 def save_checkpoint(ckpt: dict, path: str | Path) -> None:
     """torch.save to `path`.tmp, flushed to disk, then renamed over `path`: a crash, a kill or a full disk at
-    any moment leaves the previous file whole (a stale .tmp is overwritten by the next save, never read)."""
+    any moment leaves the previous file whole (a stale .tmp is overwritten by the next save, never read).
+    Ctrl-C or SIGTERM during the write takes effect as soon as it is done."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
+    with _signals_held():
+        try:
+            with open(tmp, "wb") as f:
+                torch.save(ckpt, f)
+                f.flush()
+                os.fsync(f.fileno())
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def _signals_held():
+    """Hold SIGINT and SIGTERM until the block ends, then hand them to the usual handlers (main thread only:
+    elsewhere Python cannot set handlers). A KeyboardInterrupt inside torch.save would break its zip writer."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held = []
+    old = [(s, signal.signal(s, lambda signum, frame: held.append(signum))) for s in (signal.SIGINT, signal.SIGTERM)]
     try:
-        with open(tmp, "wb") as f:
-            torch.save(ckpt, f)
-            f.flush()
-            os.fsync(f.fileno())
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    os.replace(tmp, path)
+        yield
+    finally:
+        for s, handler in old:
+            signal.signal(s, signal.SIG_DFL if handler is None else handler)
+        for s in held:
+            signal.raise_signal(s)
