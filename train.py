@@ -37,7 +37,7 @@ from yolo_min import dist
 from yolo_min.anchors import check_anchors
 from yolo_min.datasets import YOLODataset, build_dataloader, load_data_config
 from yolo_min.losses import DEFAULT_HYP, YOLOLoss, scale_hyp
-from yolo_min.models import Model, ModelEMA, de_parallel, load_model, save_checkpoint
+from yolo_min.models import Model, ModelEMA, de_parallel, load_model, make_divisible, save_checkpoint
 from yolo_min.plots import draw_batch, plot_results
 
 NBS = 64  # nominal batch size: gradients accumulate up to it
@@ -210,8 +210,8 @@ def load_inputs(args: argparse.Namespace, world_size: int) -> tuple[dict, dict, 
         raise ConfigError(f"--batch-size {args.batch_size} must be a multiple of the world size {world_size} "
                           "(it is the global batch: each rank takes an equal share)")
     if args.imgsz % 32:
-        dist.print0(f"warning: --imgsz {args.imgsz} is not a multiple of 32, using {math.ceil(args.imgsz / 32) * 32}")
-        args.imgsz = math.ceil(args.imgsz / 32) * 32
+        dist.print0(f"warning: --imgsz {args.imgsz} is not a multiple of 32, using {make_divisible(args.imgsz, 32)}")
+        args.imgsz = make_divisible(args.imgsz, 32)
     try:
         if isinstance(args.hyp, str):  # a yaml file ('': none); a resumed run's args hold the dict itself
             args.hyp = yaml.safe_load(Path(args.hyp).read_text()) if args.hyp else {}
@@ -361,7 +361,7 @@ def train(args: argparse.Namespace, info: dist.DistInfo) -> dict:
         for g in optimizer.param_groups:
             g["lr"] = g["initial_lr"] * lf
         last_opt_step = epoch * nb - 1  # every epoch ends with a step, so a resumed run has no stale gradients
-        mloss, stats, t_loop = torch.zeros(len(loss_names), device=device), {}, time.time()
+        mloss, stats, t_loop = torch.zeros(len(loss_names)), {}, time.time()  # on the CPU: logging never syncs
         for i, batch in log_every(train_loader, args.log_every, f"epoch {epoch + 1}/{args.epochs}", stats, device):
             ni = i + nb * epoch
             if ni <= nw:
@@ -370,7 +370,7 @@ def train(args: argparse.Namespace, info: dist.DistInfo) -> dict:
             with model.no_sync() if world_size > 1 and not step else contextlib.nullcontext():  # no all-reduce yet
                 loss, items = forward_loss(model, criterion, batch, device, amp)
                 items = _inject_fault(faults, (epoch + 1, i + 1, rank), items) if faults else items  # TEST ONLY
-                items = dist.reduce_mean(items)  # the same on every rank, so all ranks stop together
+                items = dist.reduce_mean(items).cpu()  # the same on every rank, so all ranks stop together
                 if not torch.isfinite(items).all():
                     raise FloatingPointError(f"non-finite loss {items.tolist()} at epoch {epoch + 1}, iteration "
                                              f"{i + 1}: training stopped; the last good checkpoint is {last}")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -21,7 +20,7 @@ import torch
 
 from yolo_min import dist
 from yolo_min.metrics import gather_records, image_record, summarize
-from yolo_min.models import de_parallel, load_model
+from yolo_min.models import de_parallel, load_model, make_divisible
 from yolo_min.ops import (box_iou, mask_iou, non_max_suppression, polygons_to_masks, process_mask, rle_encode,
                           scale_boxes, scale_masks)
 
@@ -204,7 +203,7 @@ def main(args: argparse.Namespace) -> dict:
         if args.coco_ids and data["nc"] != 80:
             raise SystemExit(f"--coco-ids needs the 80 COCO classes; {args.data} has {data['nc']}")
         stride = int(model.stride.max())
-        imgsz = math.ceil(args.imgsz / stride) * stride
+        imgsz = make_divisible(args.imgsz, stride)
         dataset = YOLODataset(data["val"], imgsz=imgsz, augment=False, task=model.task, rect=True,
                               batch_size=args.batch_size, stride=stride, pad=0.5, prefix="val: ", nc=data["nc"])
         if model.task == "segment" and not any(len(lb["segments"]) for lb in dataset.labels):

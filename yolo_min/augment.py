@@ -76,19 +76,19 @@ def _paste(out: torch.Tensor, src: torch.Tensor, ax: float, bx: float, ay: float
     return P - px, Q - py
 
 
-def render(pieces: list[Piece], M: np.ndarray, out_wh: tuple, load: Loader, shapes: list) -> tuple[torch.Tensor, list]:
+def render(pieces: list[Piece], M: np.ndarray, out_wh: tuple, load: Loader) -> tuple[torch.Tensor, list]:
     """Draw the pieces through canvas->output matrix M onto a 114-grey uint8 (3,H,W) image of size out_wh.
 
     Scale/translate-only M (the default): each source is decoded at reduced scale when possible, but
     never finer than its letterbox size r (yolov5 resizes to r first, and so does cache='ram'), and
     resampled straight into its output rectangle (one resampling). Rotation/shear/perspective: the
     canvas is drawn first, then warped once with PIL's AFFINE/PERSPECTIVE transform.
-    shapes[k] = (h0, w0) original size of pieces[k]. Also returns per piece the (dx, dy) canvas-pixel
-    shift of its drawn pixels (sub-pixel placement), for `place_labels`.
+    Also returns per piece the (dx, dy) canvas-pixel shift of its drawn pixels (sub-pixel placement),
+    for `place_labels`.
     """
     if M[0, 1] or M[1, 0] or M[2, 0] or M[2, 1]:
         size = math.ceil(max(p.clip[2] for p in pieces)), math.ceil(max(p.clip[3] for p in pieces))
-        canvas, shifts = render(pieces, np.eye(3), size, load, shapes)
+        canvas, shifts = render(pieces, np.eye(3), size, load)
         Mi = np.linalg.inv(M)
         Mi /= Mi[2, 2]
         persp = bool(M[2, 0] or M[2, 1])
@@ -98,7 +98,7 @@ def render(pieces: list[Piece], M: np.ndarray, out_wh: tuple, load: Loader, shap
         return torch.from_numpy(np.array(im)).permute(2, 0, 1).contiguous(), shifts
     out = torch.full((3, out_wh[1], out_wh[0]), FILL[0], dtype=torch.uint8)
     shifts = []
-    for p, (h0, w0) in zip(pieces, shapes):
+    for p in pieces:
         X0, Y0 = round(max(M[0, 0] * p.clip[0] + M[0, 2], 0)), round(max(M[1, 1] * p.clip[1] + M[1, 2], 0))
         X1 = round(min(M[0, 0] * p.clip[2] + M[0, 2], out_wh[0]))
         Y1 = round(min(M[1, 1] * p.clip[3] + M[1, 2], out_wh[1]))

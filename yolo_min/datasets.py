@@ -20,6 +20,7 @@ from . import dist, shapes
 from .augment import Piece, affine_matrix, hsv_jitter, overlap_mask, place_labels, render
 from .labels import DataError, list_images, load_labels, warn
 from .losses import DEFAULT_HYP
+from .ops import xywh2xyxy
 
 
 def load_data_config(path: str) -> dict:
@@ -117,13 +118,13 @@ class YOLODataset(Dataset):
         if self._ram is None:
             im = self._decode(i, scale)
             return torch.from_numpy(np.array(im)), (im.width / w0, im.height / h0)
-        (w, h), start = map(int, self._dims[i]), self._offs[i]
-        return torch.from_numpy(self._ram[start:start + w * h * 3].reshape(h, w, 3)), (w / w0, h / h0)
+        w, h = map(int, self._dims[i])
+        return torch.from_numpy(self._ram[self._offs[i]:self._offs[i + 1]].reshape(h, w, 3)), (w / w0, h / h0)
 
     def _cache(self, i: int) -> None:
-        (w, h), start = map(int, self._dims[i]), self._offs[i]
+        w, h = map(int, self._dims[i])
         im = self._decode(i, w / self.labels[i]["shape"][1]).resize((w, h), Image.Resampling.BILINEAR)
-        self._ram[start:start + w * h * 3] = np.asarray(im).ravel()
+        self._ram[self._offs[i]:self._offs[i + 1]] = np.asarray(im).ravel()
 
     def _decode(self, i: int, scale: float) -> Image.Image:
         try:
@@ -167,7 +168,7 @@ class YOLODataset(Dataset):
         M, sc = affine_matrix(canvas, out, *(hyp[k] for k in ("degrees", "translate", "scale", "shear", "perspective"))
                               ) if self.augment else (np.eye(3), 1.0)
         labels = [self.labels[p.index] for p in pieces]
-        img, shifts = render(pieces, M, out, self.load_image, [lb["shape"] for lb in labels])
+        img, shifts = render(pieces, M, out, self.load_image)
         p0, lb = pieces[0], labels[0]
         pad = (float(p0.ox + shifts[0][0]), float(p0.oy + shifts[0][1]))
         if self.augment:
@@ -197,7 +198,7 @@ class YOLODataset(Dataset):
         b = lb["bboxes"] * np.array(lb["shape"][::-1] * 2, np.float32)
         segs = lb["segments"] or ([x[:2] + rect * x[2:] for x in lb["bboxes"]] if self.task == "segment" else [])
         return dict(cls=torch.as_tensor(lb["cls"], dtype=torch.int64),
-                    boxes=torch.from_numpy(np.concatenate([b[:, :2] - b[:, 2:] / 2, b[:, :2] + b[:, 2:] / 2], 1)),
+                    boxes=xywh2xyxy(torch.from_numpy(b)),
                     polygons=[s * np.array(lb["shape"][::-1], np.float32) for s in segs], orig_hw=lb["shape"])
 
 

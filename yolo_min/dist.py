@@ -133,22 +133,14 @@ def reduce_mean(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
-    """Sum of a tensor over ranks (a copy)."""
-    t = t.detach().clone()
-    if _active():
-        dist.all_reduce(t)
-    return t
-
-
-def run_on_main(fn, *args, errors: type | tuple = ValueError):
-    """fn(*args) on rank 0 and its result on every rank. An exception of a type in `errors` raised there is
+def run_on_main(fn, *args):
+    """fn(*args) on rank 0 and its result on every rank. A ValueError (a ConfigError, ...) raised there is
     raised on every rank (pickled across), so no rank waits in a collective for one that gave up."""
     out = (None, None)
     if is_main():
         try:
             out = (fn(*args), None)
-        except errors as e:
+        except ValueError as e:
             out = (None, e)
     result, error = broadcast_object(out)
     if error is not None:
@@ -157,10 +149,10 @@ def run_on_main(fn, *args, errors: type | tuple = ValueError):
 
 
 @contextlib.contextmanager
-def main_first(local: bool = True):
-    """Run the body on (local) rank 0 first, then on the others: e.g. build a cache once. The others are
+def main_first():
+    """Run the body on local rank 0 first, then on the others: e.g. build a cache once. The others are
     released even when the body raises on rank 0 (they then run it, typically to the same error)."""
-    first = (int(os.environ.get("LOCAL_RANK", "0")) if local else get_rank()) == 0
+    first = int(os.environ.get("LOCAL_RANK", "0")) == 0
     if not first:
         barrier()
     try:

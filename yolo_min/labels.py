@@ -31,8 +31,7 @@ class DataError(ValueError):
 
 def warn(msg: str) -> None:
     """Print a one-line warning on the main process."""
-    if dist.is_main():
-        print(f"WARNING {msg}", flush=True)
+    dist.print0(f"WARNING {msg}")
 
 
 def img2label_path(f: str) -> str:
@@ -177,8 +176,12 @@ def _load_or_build(files: list, prefix: str, nc) -> dict:
     lb_files = [img2label_path(f) for f in files]
     h = hashlib.sha256(f"{CACHE_VERSION}|{nc}".encode())
     for f in files + lb_files:
-        s = os.stat(f) if os.path.exists(f) else None
-        h.update(f"{f}|{s and (s.st_size, s.st_mtime_ns, s.st_mode)}\n".encode())
+        try:
+            s = os.stat(f)
+            s = (s.st_size, s.st_mtime_ns, s.st_mode)
+        except (OSError, ValueError):  # absent (what os.path.exists would say False to)
+            s = None
+        h.update(f"{f}|{s}\n".encode())
     key, path = h.hexdigest(), Path(os.path.dirname(lb_files[0]) + ".cache")
     try:
         with np.load(path, allow_pickle=False) as z:

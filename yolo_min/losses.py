@@ -81,7 +81,7 @@ class YOLOLoss:
 
     def __init__(self, model: nn.Module, hyp: dict, world_size: int = 1):
         self.head = de_parallel(model).model[-1]  # anchors read per call: AutoAnchor may change them
-        self.nl, self.na, self.nc, self.nm = self.head.nl, self.head.na, self.head.nc, self.head.nm
+        self.nl, self.nc, self.nm = self.head.nl, self.head.nc, self.head.nm
         self.hyp, self.world_size = dict(hyp), world_size
         self.balance = [4.0, 1.0, 0.4] if self.nl == 3 else [4.0, 1.0, 0.25, 0.06, 0.02][: self.nl]
         device = next(model.parameters()).device

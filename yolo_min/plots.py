@@ -15,6 +15,8 @@ import torch.nn.functional as F
 from PIL import Image, ImageDraw
 from torchvision.utils import draw_bounding_boxes, draw_segmentation_masks, make_grid
 
+from .ops import xywh2xyxy
+
 PALETTE = ["#FF3838", "#FF9D97", "#FF701F", "#FFB21D", "#CFD231", "#48F90A", "#92CC17", "#3DDB86", "#1A9334",
            "#00D4BB", "#2C99A8", "#00C2FF", "#344593", "#6473FF", "#0018EC", "#8438FF", "#520085", "#CB38FF",
            "#FF95C8", "#FF37C7"]
@@ -39,8 +41,7 @@ def draw_batch(images: torch.Tensor, targets: torch.Tensor | None = None, masks=
             boxes, cls, conf = p[:, :4], p[:, 5].long(), p[:, 4].tolist()
         else:
             t = targets[targets[:, 0] == i].float().cpu() if targets is not None else torch.zeros(0, 6)
-            xy, wh = t[:, 2:4] * torch.tensor([W, H]), t[:, 4:6] * torch.tensor([W, H])
-            boxes, cls, conf = torch.cat([xy - wh / 2, xy + wh / 2], 1), t[:, 1].long(), None
+            boxes, cls, conf = xywh2xyxy(t[:, 2:6] * torch.tensor([W, H, W, H])), t[:, 1].long(), None
         colors = [PALETTE[int(c) % len(PALETTE)] for c in cls]
         if masks is not None and len(cls):
             m = masks[i].cpu()
