@@ -1,7 +1,10 @@
-"""Shared test fixtures: paths to ../shared (skipping with a reason when it is absent)."""
+"""Shared test fixtures: paths to ../shared (skipping with a reason when it is absent), and small
+generated datasets (tiny, small_shapes) for fast end-to-end runs."""
 from pathlib import Path
 
+import numpy as np
 import pytest
+from PIL import Image, ImageDraw
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
@@ -41,10 +44,42 @@ def small_shapes(tmp_path_factory) -> str:
     return str(root / "small_shapes.yaml")
 
 
+def make_tiny(root: Path, n_train: int = 32, n_val: int = 8) -> Path:
+    """A dataset of 64x64 images under root, one or two coloured rectangles each, 2 classes;
+    returns its data yaml."""
+    rng = np.random.default_rng(0)
+    for split, n in (("train", n_train), ("val", n_val)):
+        (root / "images" / split).mkdir(parents=True)
+        (root / "labels" / split).mkdir(parents=True)
+        for i in range(n):
+            im, rows = Image.new("RGB", (64, 64), (40, 40, 40)), []
+            for _ in range(1 + i % 2):
+                (x, y), (w, h) = rng.integers(2, 30, 2), rng.integers(14, 30, 2)
+                c = int(rng.integers(0, 2))
+                ImageDraw.Draw(im).rectangle([int(x), int(y), int(x + w), int(y + h)],
+                                             fill=(220, 60, 60 + 160 * c))
+                rows.append(f"{c} {(x + w / 2) / 64:.6f} {(y + h / 2) / 64:.6f} {w / 64:.6f} "
+                            f"{h / 64:.6f}\n")
+            im.save(root / "images" / split / f"{i}.jpg")
+            (root / "labels" / split / f"{i}.txt").write_text("".join(rows))
+    yaml_path = root / "data.yaml"
+    yaml_path.write_text(f"path: {root}\ntrain: images/train\nval: images/val\n"
+                         "names: [red, blue]\n")
+    return yaml_path
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory) -> list[str]:
+    """train.py arguments for a 32 + 8 image make_tiny dataset: 4 iterations an epoch at batch 8, in
+    one process or two, so every run on it takes seconds."""
+    data = make_tiny(tmp_path_factory.mktemp("tiny"))
+    return ["--data", str(data), "--imgsz", "64", "--batch-size", "8", "--workers", "0",
+            "--log-every", "2", "--noautoanchor"]
+
+
 def deny_image_open(monkeypatch, suffix: str) -> None:
     """Make PIL's Image.open raise PermissionError for files ending in `suffix`: tests run as root, who
     reads anything, so an unreadable image is simulated at the open() call."""
-    from PIL import Image
     real = Image.open
 
     def deny(f, *a, **k):

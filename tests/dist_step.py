@@ -1,53 +1,47 @@
-"""Run by tests/test_dist.py under `torchrun --nproc_per_node 2`: one optimizer step of train.py's recipe
-with 2 ranks x 4 images must give the weights of 1 process x 8 images (computed here on every rank).
+"""Run by tests/test_dist.py under `torchrun --nproc_per_node 2`: train.py's own wiring
+(`build_training`: loss scale, DDP, optimizer) and its `train_one_epoch` (no_sync, accumulation,
+step) on 2 ranks x 2 micro-batches of 4 images must give the weights of 1 process x 2 batches of 8.
 
-BatchNorm is in eval mode so that per-rank batch statistics do not enter. Rank 1's images are rank 0's
-mirrored left-right: the loss means over positives (box, cls) then have equal counts on both ranks,
-which is when yolov5's DDP loss equals the single-process one exactly. Prints `MAXDIFF <value>` on rank 0.
+BatchNorm stays in eval mode so that per-rank batch statistics do not enter. Rank 1's images are
+rank 0's mirrored left-right: the loss means over positives then have equal counts on both ranks,
+which is when yolov5's DDP loss equals the single-process one exactly. The epoch is one after the
+warmup, so weights and biases move alike. Prints `MAXDIFF <value> MOVED <value>` on rank 0.
 """
+
 import sys
 from copy import deepcopy
 from pathlib import Path
 
 import torch
 import torch.nn as nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import train  # noqa: E402
 from yolo_min import dist  # noqa: E402
-from yolo_min.losses import DEFAULT_HYP, YOLOLoss, scale_hyp  # noqa: E402
 from yolo_min.models import Model  # noqa: E402
 
 
-def bn_eval(model: nn.Module) -> nn.Module:
-    model.train()
+def frozen_bn(model: nn.Module) -> nn.Module:
+    """BatchNorm layers that stay in eval mode when train_one_epoch calls model.train()."""
     for m in model.modules():
         if isinstance(m, nn.BatchNorm2d):
             m.eval()
+            m.train = lambda mode=True, m=m: m
     return model
 
 
-def step(model, batch, world_size, hyp):
-    crit = YOLOLoss(model, hyp, world_size)
-    opt = train.build_optimizer(model, 0.01, 0.937, 5e-4)
-    scaler = torch.amp.GradScaler("cuda", enabled=False)
-    loss, _ = train.forward_loss(model, crit, batch, torch.device("cpu"), False)
-    scaler.scale(loss).backward()
-    train.optimizer_step(model, opt, scaler, None)
-
-
-def make_batch(segment: bool) -> dict:
-    """4 random images with 6 targets; masks: each target's box filled with its 1-based index in its image."""
-    g = torch.Generator().manual_seed(1)
+def make_batch(seed: int, segment: bool) -> dict:
+    """4 random images with 6 targets; masks: each target's box filled with its index in its image."""
+    g = torch.Generator().manual_seed(seed)
     images = torch.randint(0, 256, (4, 3, 64, 64), dtype=torch.uint8, generator=g)
     targets = torch.tensor([[0, 0, 0.31, 0.42, 0.30, 0.20], [0, 1, 0.62, 0.71, 0.12, 0.33],
                             [1, 2, 0.47, 0.27, 0.52, 0.40], [2, 0, 0.23, 0.64, 0.21, 0.19],
-                            [3, 1, 0.71, 0.36, 0.61, 0.58], [3, 2, 0.18, 0.83, 0.09, 0.11]])
+                            [3, 1, 0.71, 0.36, 0.61, 0.58], [3, 2, 0.18, 0.83, 0.09, 0.11]])  # fmt: skip
+    targets[:, 2:4] += seed * 0.02
     masks = torch.zeros(4, 16, 16)
     for row, (b, _, cx, cy, w, h) in enumerate((targets * torch.tensor([1, 1, 16, 16, 16, 16])).tolist()):
-        k = (targets[:row + 1, 0] == b).sum()
-        masks[int(b), round(cy - h / 2):round(cy + h / 2), round(cx - w / 2):round(cx + w / 2)] = k
+        k = (targets[: row + 1, 0] == b).sum()
+        masks[int(b), round(cy - h / 2) : round(cy + h / 2), round(cx - w / 2) : round(cx + w / 2)] = k
     return {"images": images, "targets": targets, "masks": masks if segment else None}
 
 
@@ -58,26 +52,40 @@ def mirrored(batch: dict) -> dict:
     return {"images": batch["images"].flip(3), "targets": targets, "masks": masks}
 
 
+def joined(a: dict, b: dict) -> dict:
+    """One batch of 8: a's images, then b's (their targets' image indices shifted by 4)."""
+    shift = torch.tensor([4.0, 0, 0, 0, 0, 0])
+    masks = torch.cat([a["masks"], b["masks"]]) if a["masks"] is not None else None
+    images = torch.cat([a["images"], b["images"]])
+    return {"images": images, "targets": torch.cat([a["targets"], b["targets"] + shift]), "masks": masks}
+
+
+def one_epoch(model, loader, info, args, hyp) -> nn.Module:
+    """train.py's wiring and train_one_epoch, at an epoch after the warmup (200 of 300)."""
+    model, criterion, optimizer, scaler, ema = train.build_training(model, hyp, args, info)
+    step = (model, criterion, optimizer, scaler, ema, loader, 200, args, hyp, Path("."))
+    train.train_one_epoch(*step)
+    return model.module if info.world_size > 1 else model
+
+
 def main():
     info = dist.setup("cpu")
     try:
         segment = "--segment" in sys.argv
         torch.manual_seed(0)
-        model = bn_eval(Model("yolov5n-seg.yaml" if segment else "yolov5n.yaml", nc=3))
-        hyp = scale_hyp(DEFAULT_HYP, 3, 64)
-        halves = [make_batch(segment)]
-        halves.append(mirrored(halves[0]))
-        shift = torch.tensor([4.0, 0, 0, 0, 0, 0])  # rank 1's images are 4..7 of the whole batch
-        whole = {"images": torch.cat([h["images"] for h in halves]),
-                 "targets": torch.cat([halves[0]["targets"], halves[1]["targets"] + shift]),
-                 "masks": torch.cat([h["masks"] for h in halves]) if segment else None}
-
-        single = deepcopy(model)
-        step(single, whole, 1, hyp)
-        ddp = DDP(deepcopy(model))
-        step(ddp, halves[info.rank], info.world_size, hyp)
-        diff = max((a - b).abs().max().item() for a, b in zip(single.parameters(), ddp.module.parameters()))
-        moved = max((a - b).abs().max().item() for a, b in zip(single.parameters(), model.parameters()))
+        model = frozen_bn(Model("yolov5n-seg.yaml" if segment else "yolov5n.yaml", nc=3))
+        hyp = train.load_hyp("")
+        args = train.get_args_parser().parse_args(["--imgsz", "64", "--epochs", "300"])
+        halves = [make_batch(seed, segment) for seed in (1, 2)]  # rank 0's micro-batches
+        halves = [halves, [mirrored(b) for b in halves]]  # rank 1's
+        single_info = dist.DistInfo(0, 0, 1, 1, torch.device("cpu"))
+        args.batch_size = 8  # the global batch, 2 x 4 or 1 x 8
+        whole = [joined(a, b) for a, b in zip(*halves)]
+        single = one_epoch(deepcopy(model), whole, single_info, args, hyp)
+        ddp = one_epoch(deepcopy(model), halves[info.rank], info, args, hyp)
+        pairs = list(zip(single.parameters(), ddp.parameters(), model.parameters()))
+        diff = max((a - b).abs().max().item() for a, b, _ in pairs)
+        moved = max((a - c).abs().max().item() for a, _, c in pairs)
         diff = max(dist.all_gather_object(diff))
         dist.print0(f"MAXDIFF {diff:.3e} MOVED {moved:.3e}")
     finally:

@@ -5,8 +5,21 @@ import torch
 import torch.nn.functional as F
 import torchvision
 
-from yolo_min.losses import DEFAULT_HYP, YOLOLoss, bbox_ciou, scale_hyp
-from yolo_min.models import Model
+import yaml
+
+from yolo_min.losses import YOLOLoss, bbox_ciou, scale_hyp
+from yolo_min.models import CFG_DIR, Model
+
+DEFAULT_HYP = yaml.safe_load((CFG_DIR / "hyp.scratch-low.yaml").read_text())
+
+
+class Loss(YOLOLoss):
+    """YOLOLoss with its named items stacked in yolov5's order, as the fixtures hold them."""
+
+    def __call__(self, *args):
+        loss, items = super().__call__(*args)
+        assert list(items) == (["box", "seg", "obj", "cls"] if self.nm else ["box", "obj", "cls"])
+        return loss, torch.stack(list(items.values()))
 
 FIXTURES = [("loss_det_nc80", "yolov5n.yaml"), ("loss_det_nc1", "yolov5n.yaml"),
             ("loss_seg_nc80", "yolov5n-seg.yaml")]
@@ -43,7 +56,7 @@ def synthetic(seg: bool, nc: int = 80, bs: int = 2, hw=(64, 96), seed: int = 0):
 
 def crit_for(seg: bool, nc: int = 80, **hyp) -> YOLOLoss:
     model = model_for("yolov5n-seg.yaml" if seg else "yolov5n.yaml", nc)
-    return YOLOLoss(model, {**scale_hyp(DEFAULT_HYP, nc, 96), **hyp})
+    return Loss(model, {**scale_hyp(DEFAULT_HYP, nc, 96), **hyp})
 
 
 def boxes_to_masks(targets: torch.Tensor, bs: int, hw) -> torch.Tensor:
@@ -67,18 +80,18 @@ def test_fixtures(fixtures_dir, name, cfg):
     assert model.stride.tolist() == fx["stride"].tolist()
     for k in LOSS_KEYS:  # the fixture hyp is what scale_hyp makes of DEFAULT_HYP at imgsz = max side
         assert scale_hyp(DEFAULT_HYP, fx["nc"], max(fx["imgsz_hw"]))[k] == pytest.approx(fx["hyp"][k])
-    loss, items = YOLOLoss(model, fx["hyp"])(preds, fx["targets"], masks)
+    loss, items = Loss(model, fx["hyp"])(preds, fx["targets"], masks)
     assert loss.shape == (1,) and items.shape == fx["loss_items"].shape and not items.requires_grad
     rel_close(items, fx["loss_items"])
     rel_close(loss, fx["loss"])
-    rel_close(YOLOLoss(model, fx["hyp"], world_size=4)(preds, fx["targets"], masks)[0], 4 * fx["loss"])
+    rel_close(Loss(model, fx["hyp"], world_size=4)(preds, fx["targets"], masks)[0], 4 * fx["loss"])
 
 
 def test_seg_masks_resized_and_targets_order(fixtures_dir):
     """Masks at twice the proto resolution are resized (nearest) to the same maps; targets of
     different images interleaved keep each image's own order, so the loss is unchanged."""
     fx, preds, masks = load(fixtures_dir, "loss_seg_nc80")
-    crit = YOLOLoss(model_for("yolov5n-seg.yaml", 80), fx["hyp"])
+    crit = Loss(model_for("yolov5n-seg.yaml", 80), fx["hyp"])
     big = masks.repeat_interleave(2, 1).repeat_interleave(2, 2)
     rel_close(crit(preds, fx["targets"], big)[1], fx["loss_items"])
     t = fx["targets"]
@@ -153,7 +166,7 @@ def test_single_class_no_class_loss():
 def test_gradients_reach_every_head(cfg):
     torch.manual_seed(0)
     model = Model(cfg, nc=3).train()
-    crit = YOLOLoss(model, scale_hyp(DEFAULT_HYP, 3, 96))
+    crit = Loss(model, scale_hyp(DEFAULT_HYP, 3, 96))
     t = torch.tensor([[0, 0, 0.5, 0.5, 0.45, 0.5], [0, 1, 0.25, 0.3, 0.2, 0.3], [1, 2, 0.6, 0.4, 0.9, 0.8]])
     seg = cfg.endswith("-seg.yaml")
     loss, items = crit(model(torch.rand(2, 3, 64, 96)), t, boxes_to_masks(t, 2, (16, 24)) if seg else None)

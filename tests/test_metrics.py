@@ -10,7 +10,7 @@ import torch
 import torch.distributed as tdist
 import torch.multiprocessing as mp
 
-from yolo_min.metrics import (IOU_THRESHOLDS, fitness, gather_records, image_record, match_predictions,
+from yolo_min.metrics import (IOU_THRESHOLDS, fitness, image_record, match_predictions, merge_records,
                               summarize)
 from yolo_min.ops import box_iou, mask_iou, polygons_to_masks, rle_encode
 
@@ -28,8 +28,13 @@ def records(images):
     return out
 
 
+def strip(metrics: dict, suffix: str = "(B)") -> dict:
+    """{"mAP50(B)": x, ...} -> {"mAP50": x, ...} for one kind."""
+    return {k[: -len(suffix)]: v for k, v in metrics.items() if k.endswith(suffix)}
+
+
 def box_metrics(images):
-    return summarize(records(images))["box"]
+    return strip(summarize(records(images))["metrics"])
 
 
 def test_thresholds_are_cocoevals():
@@ -70,7 +75,7 @@ def test_ap_classes_without_detections_or_without_gt():
     assert m["mAP50"] == 0.0
     m = box_metrics([([(SQ, 0.5, 0)], [(SQ, 0)]), ([(SQ, 0.9, 0)], [])])  # precision 1/2 at recall 1
     assert m["mAP50"] == pytest.approx(0.5)
-    assert summarize([])["box"]["mAP50"] == 0.0
+    assert summarize([])["metrics"]["mAP50(B)"] == 0.0
 
 
 def test_matching_takes_best_unmatched_gt_and_last_on_ties():
@@ -88,8 +93,8 @@ def test_matching_takes_best_unmatched_gt_and_last_on_ties():
 
 
 def test_fitness_weights():
-    assert fitness({"box": {"mAP50": 0.5, "mAP50-95": 0.3}}) == pytest.approx(0.32)
-    both = {"box": {"mAP50": 0.5, "mAP50-95": 0.3}, "mask": {"mAP50": 0.4, "mAP50-95": 0.2}}
+    assert fitness({"mAP50(B)": 0.5, "mAP50-95(B)": 0.3, "P(B)": 1.0}) == pytest.approx(0.32)
+    both = {"mAP50(B)": 0.5, "mAP50-95(B)": 0.3, "mAP50(M)": 0.4, "mAP50-95(M)": 0.2}
     assert fitness(both) == pytest.approx(0.54)
 
 
@@ -156,7 +161,7 @@ def ours_from_results(ann, results, kind):
             iou = mask_iou(pm, gm)
         recs.append(image_record(index, [r["score"] for r in d], [r["category_id"] - 1 for r in d],
                                  [a["category_id"] - 1 for a in g], {kind: iou.numpy()}))
-    return summarize(recs, (kind,))[kind]
+    return strip(summarize(recs, (kind,))["metrics"], "(B)" if kind == "box" else "(M)")
 
 
 def cocoeval(gt_file, results, kind, max_dets):
@@ -234,7 +239,9 @@ def _gather_worker(rank, world, init, out_dir):
             mine = recs[rank::world]
             if rank == 1 and n_images > 3:
                 mine = mine + recs[:1]  # a duplicate, as a padding sampler would give
-            res = summarize(gather_records(mine), ("box", "mask"))
+            parts = [None] * world
+            tdist.all_gather_object(parts, mine)  # as the entry scripts gather them
+            res = summarize(merge_records(parts), ("box", "mask"))
             with open(os.path.join(out_dir, f"{n_images}_rank{rank}.json"), "w") as f:
                 json.dump(res, f)
     finally:
@@ -247,6 +254,6 @@ def test_two_ranks_get_the_single_process_metrics(tmp_path, monkeypatch):
     mp.spawn(_gather_worker, args=(2, f"file://{tmp_path}/pg", str(tmp_path)), nprocs=2, join=True)
     for n_images in CASES:
         want = summarize(synthetic_records(n_images), ("box", "mask"))
-        assert want["images"] == n_images and want["box"]["mAP50"] > 0
+        assert want["images"] == n_images and want["metrics"]["mAP50(B)"] > 0
         for rank in range(2):
             assert json.loads((tmp_path / f"{n_images}_rank{rank}.json").read_text()) == json.loads(json.dumps(want))

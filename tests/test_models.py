@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from yolo_min.models import CFG_DIR, Model, load_model
+from yolo_min.checkpoint import CheckpointError, load_model
+from yolo_min.models import CFG_DIR, Model
 
 ATOL = 1e-4
 
@@ -22,7 +23,7 @@ def test_fixture_outputs(fixtures_dir, name, task):
     assert model.task == task
     assert sum(p.numel() for p in model.parameters()) == fx["param_count"]
     model.load_state_dict(fx["state_dict"], strict=True)
-    close(model.model[-1].anchors, fx["anchors_grid_units"])
+    close(model.head.anchors, fx["anchors_grid_units"])
     assert model.stride.tolist() == list(fx["stride"])
     model.eval()
     with torch.no_grad():
@@ -53,10 +54,10 @@ def test_param_counts_nc3():
 
 
 def test_all_shipped_configs_build():
-    names = sorted(p.stem for p in CFG_DIR.glob("*.yaml"))
+    names = sorted(p.stem for p in CFG_DIR.glob("yolov5*.yaml"))
     assert names == sorted(f"yolov5{s}{t}" for s in "nsmlx" for t in ("", "-seg"))
     m = Model("yolov5s-seg.yaml", nc=2)
-    assert m.task == "segment" and m.model[-1].proto.cv1.conv.out_channels == 128  # 256 * 0.5
+    assert m.task == "segment" and m.head.proto.cv1.conv.out_channels == 128  # 256 * 0.5
 
 
 def test_output_shapes_and_modes():
@@ -76,7 +77,7 @@ def test_fresh_init_follows_yolov5():
     model = Model("yolov5n.yaml", nc=80)
     bns = [m for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
     assert bns and all(m.eps == 1e-3 and m.momentum == 0.03 for m in bns)
-    head = model.model[-1]
+    head = model.head
     for conv, s in zip(head.m, head.stride):
         b = conv.bias.detach().view(head.na, -1)
         bound = 1 / math.sqrt(conv.in_channels)  # PyTorch's default bias init is U(-bound, bound)
@@ -153,6 +154,6 @@ def test_malicious_checkpoint_refused(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     path = tmp_path / "evil.pt"
     torch.save({"model": _Evil()}, path)
-    with pytest.raises(ValueError, match=r"evil\.pt: refusing to load '(posix|os)\.system'"):
+    with pytest.raises(CheckpointError, match=r"evil\.pt: refusing '(posix|os)\.system'"):
         load_model(path)
     assert not (tmp_path / "PWNED_MARKER").exists()

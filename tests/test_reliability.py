@@ -10,7 +10,8 @@
 8 checkpoints never run pickled code: ours load with weights_only=True, a malicious .pt is refused;
 9 a full disk or an unwritable run folder is an error at start-up, not after an epoch.
 
-Faults are injected with train.py's test-only YOLO_MIN_TEST_KILL / _FAIL / _NAN variables ("epoch:iter:rank").
+Faults are injected by tests/faulty_train.py, launched in place of train.py: YOLO_MIN_TEST_KILL / _FAIL /
+_NAN = "epoch:iter:rank" (train.py itself holds no test code).
 Processes are launched here (torchrun, train.py, val.py); the project code itself never starts one.
 """
 import csv
@@ -22,10 +23,9 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image, ImageDraw
+from PIL import Image
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -34,9 +34,12 @@ import train  # noqa: E402
 from test_datasets import make_hostile  # noqa: E402
 from conftest import deny_image_open  # noqa: E402
 from yolo_min import datasets  # noqa: E402
-from yolo_min.models import CFG_DIR, load_model  # noqa: E402
+from yolo_min import dist  # noqa: E402
+from yolo_min.checkpoint import load_model  # noqa: E402
+from yolo_min.models import CFG_DIR  # noqa: E402
 
 PY = sys.executable
+FAULTY = "tests/faulty_train.py"  # train.py with a planned fault
 TORCHRUN = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 ENV = {k: v for k, v in os.environ.items() if not k.startswith("YOLO_MIN_TEST_")} | {"OMP_NUM_THREADS": "1"}
 LAUNCHED: list[subprocess.Popen] = []
@@ -55,28 +58,6 @@ def _reap():
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
             p.communicate()
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> list[str]:
-    """A 32 + 8 image dataset (64x64, one or two coloured rectangles each, 2 classes): 4 iterations an
-    epoch at batch 8, in one process or two, so every run here takes seconds."""
-    root = tmp_path_factory.mktemp("tiny")
-    rng = np.random.default_rng(0)
-    for split, n in (("train", 32), ("val", 8)):
-        (root / "images" / split).mkdir(parents=True)
-        (root / "labels" / split).mkdir(parents=True)
-        for i in range(n):
-            im, rows = Image.new("RGB", (64, 64), (40, 40, 40)), []
-            for _ in range(1 + i % 2):
-                (x, y), (w, h), c = rng.integers(2, 30, 2), rng.integers(14, 30, 2), int(rng.integers(0, 2))
-                ImageDraw.Draw(im).rectangle([int(x), int(y), int(x + w), int(y + h)], fill=(220, 60, 60 + 160 * c))
-                rows.append(f"{c} {(x + w / 2) / 64:.6f} {(y + h / 2) / 64:.6f} {w / 64:.6f} {h / 64:.6f}\n")
-            im.save(root / "images" / split / f"{i}.jpg")
-            (root / "labels" / split / f"{i}.txt").write_text("".join(rows))
-    (root / "data.yaml").write_text(f"path: {root}\ntrain: images/train\nval: images/val\nnames: [red, blue]\n")
-    return ["--data", str(root / "data.yaml"), "--imgsz", "64", "--batch-size", "8", "--workers", "0",
-            "--log-every", "2", "--noautoanchor"]
 
 
 def launch(cmd, cwd=ROOT, **env) -> subprocess.Popen:
@@ -107,6 +88,9 @@ def load(path: Path) -> dict:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
+ONE_CPU_PROCESS = dist.DistInfo(0, 0, 1, 1, torch.device("cpu"))
+
+
 def args_for(tiny, tmp_path, *extra):
     return train.get_args_parser().parse_args([*tiny, "--project", str(tmp_path / "runs"), *extra])
 
@@ -116,13 +100,18 @@ def args_for(tiny, tmp_path, *extra):
 def test_killed_worker_is_restarted_and_resumes(tiny, tmp_path):
     """Rank 1 SIGKILLs itself in epoch 2 of 3; torchrun --max-restarts 1 restarts both ranks, which resume
     from epoch 1's last.pt (the kill hook fires on the first attempt only) and finish with exactly the
-    weights and results of an uninterrupted run (launched alongside)."""
-    cmd = [*TORCHRUN, "--max-restarts", "1", "train.py", *tiny, "--epochs", "3", "--project"]
-    killed, whole = launch([*cmd, tmp_path / "killed"], YOLO_MIN_TEST_KILL="2:2:1"), launch([*cmd, tmp_path / "whole"])
+    weights and results of an uninterrupted run, launched meanwhile into the same --project (exp2): the
+    restarted run finds its own folder, not the newest one."""
+    cmd = [*TORCHRUN, "--max-restarts", "1", FAULTY, *tiny, "--epochs", "3", "--project", tmp_path]
+    killed = launch(cmd, YOLO_MIN_TEST_KILL="2:2:1")
+    deadline = time.time() + 120
+    while not (tmp_path / "exp").exists() and killed.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    whole = launch(cmd)
     rc, out, err = finish(killed)
     assert rc == 0, err[-3000:]
     assert finish(whole)[0] == 0
-    run, ref = tmp_path / "killed" / "exp", tmp_path / "whole" / "exp"
+    run, ref = tmp_path / "exp", tmp_path / "exp2"
     assert "exitcode: -9" in err and "local_rank: 1" in err  # torchrun saw the SIGKILL
     assert f"torchrun restart: resuming from {run / 'weights' / 'last.pt'}" in out
     assert f"Resuming {run} at epoch 2/3" in out
@@ -133,7 +122,7 @@ def test_killed_worker_is_restarted_and_resumes(tiny, tmp_path):
     assert a["epoch"] == b["epoch"] == 2 and a["ema_updates"] == b["ema_updates"]
     for key in ("model", "ema"):
         assert all(torch.equal(v, b[key][k]) for k, v in a[key].items()), key
-    assert sorted(p.name for p in run.parent.iterdir()) == ["exp"]  # the restart kept its run folder
+    assert sorted(p.name for p in run.parent.iterdir()) == ["exp", "exp2"]  # the restart kept its folder
     assert sorted(p.name for p in (run / "weights").iterdir()) == ["best.pt", "last.pt"]
 
 
@@ -184,7 +173,7 @@ def test_kill_during_checkpoint_write_keeps_last_good(tiny, tmp_path, monkeypatc
 def test_failing_rank_ends_the_job_quickly(tiny, tmp_path):
     """Rank 1 raises while rank 0 waits for it in an all-reduce: the job ends (no hang), non-zero, error shown."""
     t0 = time.time()
-    rc, out, err = finish(launch([*TORCHRUN, "train.py", *tiny, "--epochs", "3", "--project", tmp_path],
+    rc, out, err = finish(launch([*TORCHRUN, FAULTY, *tiny, "--epochs", "3", "--project", tmp_path],
                                  YOLO_MIN_TEST_FAIL="1:2:1"), timeout=120)
     assert rc != 0 and time.time() - t0 < 60
     assert "RuntimeError: test fault: rank 1 fails at epoch 1, iteration 2" in err
@@ -195,7 +184,7 @@ def test_process_group_is_destroyed_on_error(tiny, tmp_path, monkeypatch):
     """train.main tears the process group down whatever ends the run (here an error mid-training)."""
     calls = []
     monkeypatch.setattr(train.dist, "cleanup", lambda: calls.append("cleanup"))
-    monkeypatch.setattr(train, "train", lambda args, info: calls.append("train") or 1 / 0)
+    monkeypatch.setattr(train, "fit", lambda args, info: calls.append("train") or 1 / 0)
     with pytest.raises(ZeroDivisionError):
         train.main(args_for(tiny, tmp_path))
     assert calls == ["train", "cleanup"]
@@ -228,9 +217,9 @@ def test_sigterm_and_ctrl_c_stop_cleanly(tiny, tmp_path):
 def test_nan_loss_stops_every_rank(tiny, tmp_path):
     """A NaN loss on rank 1 only (epoch 2, iteration 2): both ranks stop there, each saying so; in one process
     the same. --monitor-interval 15 lets both ranks exit by themselves before torchrun would stop the other."""
-    two = launch([*TORCHRUN, "--monitor-interval", "15", "train.py", *tiny, "--epochs", "3", "--project",
+    two = launch([*TORCHRUN, "--monitor-interval", "15", FAULTY, *tiny, "--epochs", "3", "--project",
                   tmp_path / "two"], YOLO_MIN_TEST_NAN="2:2:1")
-    one = launch([PY, "train.py", *tiny, "--epochs", "3", "--project", tmp_path / "one"], YOLO_MIN_TEST_NAN="2:1:0")
+    one = launch([PY, FAULTY, *tiny, "--epochs", "3", "--project", tmp_path / "one"], YOLO_MIN_TEST_NAN="2:1:0")
     for name, p, at, ranks in (("one", one, "iteration 1", 1), ("two", two, "iteration 2", 2)):
         rc, _, err = finish(p, 180)
         run = tmp_path / name / "exp"
@@ -289,6 +278,7 @@ def test_bad_configuration_is_one_line_exit_2(tiny, tmp_path):
     (tmp_path / "a_file").write_text("")
     cases = {"missing key(s) names": ["--data", tmp_path / "no_names.yaml"],
              "nc is 3": ["--data", tmp_path / "nc.yaml"],
+             "train: a segmentation model needs polygon labels: boxes only": ["--cfg", "yolov5n-seg.yaml"],
              "foo.yaml: layer 9: unknown module 'Foo'": ["--cfg", tmp_path / "foo.yaml"],
              f"cannot write the run folder {tmp_path / 'a_file' / 'runs' / 'exp'}": ["--project",
                                                                                     tmp_path / "a_file" / "runs"]}
@@ -306,21 +296,21 @@ def test_bad_configuration_is_one_line_exit_2(tiny, tmp_path):
         assert not (tmp_path / f"runs{i}").exists()
     rc, _, err = finish(two, 180)  # torchrun itself exits 1 and prints its own failure report
     msg = "train.py: error: --batch-size 1 must be a multiple of the world size 2"
-    assert rc != 0 and msg in err and "[rank0]: Traceback" not in err, err[-3000:]
+    assert rc != 0 and err.count(msg) == 1 and "[rank0]: Traceback" not in err, err[-3000:]  # said once
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("runs")) == []
 
 
 def test_cache_that_does_not_fit_is_a_config_error(tiny, tmp_path, monkeypatch):
     monkeypatch.setattr(datasets, "available_memory", lambda: 1000)  # bytes: far less than the images need
     with pytest.raises(train.ConfigError, match="train: caching the images in RAM needs .*: use --cache off"):
-        train.load_inputs(args_for(tiny, tmp_path, "--cache", "ram"), world_size=1)
+        train.prepare(args_for(tiny, tmp_path, "--cache", "ram"), ONE_CPU_PROCESS)
     assert not (tmp_path / "runs").exists()
-    train.load_inputs(args_for(tiny, tmp_path), world_size=1)  # --cache auto: simply no cache
+    train.prepare(args_for(tiny, tmp_path), ONE_CPU_PROCESS)  # --cache auto: simply no cache
 
 
 def test_imgsz_is_rounded_up_with_a_warning(tiny, tmp_path, capsys):
     args = args_for(tiny, tmp_path, "--imgsz", "65")
-    train.load_inputs(args, world_size=1)
+    train.check_args(args, world_size=1)
     assert args.imgsz == 96 and "warning: --imgsz 65 is not a multiple of 32, using 96" in capsys.readouterr().out
 
 
@@ -340,15 +330,16 @@ def test_malicious_checkpoint_is_refused_everywhere(tiny, tmp_path):
     (The restricted unpickler itself: test_models.py; weights_only=True on our own files: the resume test above.)"""
     evil, marker = tmp_path / "evil.pt", tmp_path / "PWNED"
     torch.save({"model": _Evil(marker), "ema": None}, evil)
-    cmds = {"val.py: error: ": [PY, ROOT / "val.py", "--weights", evil, *tiny[:2], "--imgsz", "64",
-                                "--project", tmp_path / "runs"],
-            "train.py: error: ": [PY, ROOT / "train.py", *tiny, "--weights", evil, "--project", tmp_path / "runs"],
-            "train.py: error: --resume: cannot read checkpoint ": [PY, ROOT / "train.py", "--resume", evil]}
-    procs = {head: launch(cmd, cwd=tmp_path) for head, cmd in cmds.items()}
-    for head, p in procs.items():
+    cmds = {"val": [PY, ROOT / "val.py", "--weights", evil, *tiny[:2], "--imgsz", "64",
+                    "--project", tmp_path / "runs"],
+            "train": [PY, ROOT / "train.py", *tiny, "--weights", evil, "--project", tmp_path / "runs"],
+            "resume": [PY, ROOT / "train.py", "--resume", evil]}
+    procs = {name: launch(cmd, cwd=tmp_path) for name, cmd in cmds.items()}
+    for name, p in procs.items():
         rc, _, err = finish(p, 180)
-        assert rc != 0 and len(err.strip().splitlines()) == 1 and err.startswith(head), err[-3000:]
-        assert "evil.pt" in err and "refus" in err and (".system'" in err or "--resume" in head)
+        head = f"{'val' if name == 'val' else 'train'}.py: error: {evil}: refusing '"
+        assert rc == 2 and len(err.strip().splitlines()) == 1 and err.startswith(head), err[-3000:]
+        assert ".system'" in err
     assert not marker.exists() and not (tmp_path / "runs").exists()
 
 
@@ -359,3 +350,32 @@ def test_full_disk_is_an_error_at_start_up(tiny, tmp_path, monkeypatch):
     with pytest.raises(train.ConfigError, match=r"exp: only 5\.0 MB free on disk, checkpoints need about \d+ MB"):
         train.main(args_for(tiny, tmp_path))
     assert not (tmp_path / "runs").exists()  # nothing written, no epoch run
+
+
+FULL_DISK = r"""
+import errno, os, sys
+import torch
+sys.path.insert(0, os.getcwd())
+import train
+real_save = torch.save
+def save(obj, f, *args, **kwargs):
+    if isinstance(obj, dict) and obj.get("epoch") == 1:  # epoch 2's last.pt: the disk is full
+        f.write(b"x" * 100)
+        raise OSError(errno.ENOSPC, "No space left on device")
+    real_save(obj, f, *args, **kwargs)
+torch.save = save
+train.cli()
+"""
+
+
+@pytest.mark.slow
+def test_disk_that_fills_during_a_save_is_one_line(tiny, tmp_path):
+    """The disk fills while epoch 2's last.pt is written: one line, exit code 1, epoch 1's last.pt
+    intact and no temporary file left behind."""
+    rc, _, err = finish(launch([PY, "-c", FULL_DISK, *tiny, "--epochs", "3", "--project", tmp_path]))
+    weights = tmp_path / "exp" / "weights"
+    assert rc == 1 and err.strip().splitlines() == [
+        f"train.py: cannot write {weights / 'last.pt'} ([Errno 28] No space left on device); "
+        "the previous one is intact"], err[-3000:]
+    assert sorted(p.name for p in weights.iterdir()) == ["best.pt", "last.pt"]
+    assert load(weights / "last.pt")["epoch"] == 0

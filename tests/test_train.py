@@ -16,10 +16,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import train  # noqa: E402
-from yolo_min import shapes  # noqa: E402
-from yolo_min.anchors import bpr_and_aat, check_anchors, fit_anchors, kmeans  # noqa: E402
-from yolo_min.losses import DEFAULT_HYP, YOLOLoss, scale_hyp  # noqa: E402
-from yolo_min.models import Model, load_model  # noqa: E402
+from yolo_min import checkpoint, shapes  # noqa: E402
+from yolo_min.anchors import bpr_and_aat, fit_anchors, kmeans  # noqa: E402
+from yolo_min.checkpoint import load_model  # noqa: E402
+from yolo_min.datasets import load_data_config  # noqa: E402
+from yolo_min.losses import YOLOLoss, scale_hyp  # noqa: E402
+from yolo_min.models import Model  # noqa: E402
+
+DEFAULT_HYP = train.load_hyp("")
 
 
 def args_for(tmp_path, *extra):
@@ -81,15 +85,15 @@ def test_ema_updates_all_float_state():
 
 def test_checkpoint_is_atomic_and_weights_only(tmp_path):
     path = tmp_path / "last.pt"
-    train.save_checkpoint({"epoch": 1, "rng": train.rng_state(), "w": torch.ones(3)}, path)
+    checkpoint.save({"epoch": 1, "rng": checkpoint.rng_state(), "w": torch.ones(3)}, path)
     with pytest.raises(Exception):  # a save that fails half-way ...
-        train.save_checkpoint({"epoch": 2, "bad": lambda: 0}, path)
+        checkpoint.save({"epoch": 2, "bad": lambda: 0}, path)
     ckpt = torch.load(path, weights_only=True)  # ... leaves the previous file whole
     assert ckpt["epoch"] == 1 and torch.equal(ckpt["w"], torch.ones(3))
     a = (torch.rand(3), np.random.rand(3), __import__("random").random())
-    train.set_rng_state(ckpt["rng"])
+    checkpoint.set_rng_state(ckpt["rng"])
     b = (torch.rand(3), np.random.rand(3), __import__("random").random())
-    train.set_rng_state(ckpt["rng"])
+    checkpoint.set_rng_state(ckpt["rng"])
     assert torch.equal(a[0], b[0]) and np.array_equal(a[1], b[1]) and a[2] == b[2]
 
 
@@ -101,11 +105,11 @@ def test_stop_signal_during_checkpoint_write_waits_for_it(tmp_path, monkeypatch,
         os.kill(os.getpid(), sig)  # arrives while the checkpoint is being written
         real(obj, f)
 
-    signal.signal(signal.SIGTERM, train._stop_on_sigterm)  # as train.py installs it (restored below)
+    signal.signal(signal.SIGTERM, train.stop_on_sigterm)  # as train.py installs it (restored below)
     try:
         monkeypatch.setattr(torch, "save", save_interrupted)
         with pytest.raises(KeyboardInterrupt):  # raised once the file is whole and in place
-            train.save_checkpoint({"epoch": 3, "w": torch.ones(3)}, tmp_path / "last.pt")
+            checkpoint.save({"epoch": 3, "w": torch.ones(3)}, tmp_path / "last.pt")
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
     assert torch.load(tmp_path / "last.pt", weights_only=True)["epoch"] == 3
@@ -113,16 +117,29 @@ def test_stop_signal_during_checkpoint_write_waits_for_it(tmp_path, monkeypatch,
 
 
 def test_run_folders_and_resume_lookup(tmp_path):
-    args = args_for(tmp_path)
-    assert train.make_run_folder(args, restarted=False) == str(tmp_path / "runs" / "exp")
-    assert train.make_run_folder(args, restarted=False) == str(tmp_path / "runs" / "exp2")
-    assert train.make_run_folder(args, restarted=True) == str(tmp_path / "runs" / "exp2")  # a restart keeps its folder
-    assert (tmp_path / "runs" / "exp2" / "weights").is_dir() and (tmp_path / "runs" / "exp2" / "args.yaml").is_file()
-    assert train.find_resume(args, restarted=True) is None  # no last.pt yet: start afresh
+    """Two torchrun runs share a --project: after a restart each finds its own folder by its run id,
+    not the newest one."""
+    args, runs = args_for(tmp_path), tmp_path / "runs"
+    assert train.make_run_dir(args, {}, "run-a", 0) == runs / "exp"
+    assert train.make_run_dir(args, {}, "run-b", 0) == runs / "exp2"  # started meanwhile
+    assert train.make_run_dir(args, {}, None, 0) == runs / "exp3"
+    assert train.make_run_dir(args, {}, "run-a", 0) == runs / "exp"  # run a, restarted
+    assert train.make_run_dir(args, {}, "run-b", 0) == runs / "exp2"
+    assert (runs / "exp2" / "weights").is_dir() and (runs / "exp2" / "args.yaml").is_file()
+    assert train.find_resume(args, "run-a") is None  # no last.pt yet: start afresh
+    assert train.find_resume(args, None) is None
+    model = Model("yolov5n.yaml", nc=1)
+    opt = train.build_optimizer(model, 0.01, 0.9, 0.0)
+    scaler, ema = torch.amp.GradScaler("cuda", enabled=False), train.ModelEMA(model)
+    hyp, rngs = train.load_hyp(""), [checkpoint.rng_state()]
+    state = checkpoint.training_state(model, ema, opt, scaler, 0, (0.0, 0), args, hyp, rngs)
+    checkpoint.save(state, runs / "exp" / "weights" / "last.pt")
+    assert train.find_resume(args, "run-a")[0] == str(runs / "exp" / "weights" / "last.pt")
+    assert train.find_resume(args, "run-b") is None
     with pytest.raises(train.ConfigError, match="no run"):
-        train.find_resume(args_for(tmp_path / "empty", "--resume"), restarted=False)
-    with pytest.raises(train.ConfigError, match="cannot read"):
-        train.find_resume(args_for(tmp_path, "--resume", str(tmp_path / "nope.pt")), restarted=False)
+        train.find_resume(args_for(tmp_path / "empty", "--resume"), None)
+    with pytest.raises(checkpoint.CheckpointError, match=r"nope.pt: cannot read it \(No such file"):
+        train.find_resume(args_for(tmp_path, "--resume", str(tmp_path / "nope.pt")), None)
 
 
 def test_check_anchors_refits_poor_anchors():
@@ -138,9 +155,11 @@ def test_check_anchors_refits_poor_anchors():
         labels = [{"bboxes": np.array([[0.5, 0.5, 60 / 64, 60 / 64]] * 20), "shape": (64, 64)}] * 5
 
     model = Model("yolov5n.yaml", nc=1)
-    old = model.model[-1].anchors.clone()
-    assert check_anchors(Labels(), model, thr=1.2, imgsz=64) > 0.98
-    assert not torch.equal(model.model[-1].anchors, old)
+    old = model.head.anchors.clone()
+    train.autoanchor(model, Labels(), 1.2, args_for(Path("."), "--imgsz", "64"))
+    new = (model.head.anchors * model.stride.view(-1, 1, 1)).view(-1, 2).numpy()
+    assert not torch.equal(model.head.anchors, old)
+    assert bpr_and_aat(new, np.full((1, 2), 60.0 * 64 / 64, np.float32), 1.2)[0] == 1.0
 
 
 def test_loss_falls_on_a_fixed_batch():
@@ -197,12 +216,13 @@ def test_two_epochs_on_coco8(tmp_path, data_dir, cfg, data):
                              "lr/pg0", "lr/pg1", "lr/pg2"]
     assert [r["epoch"] for r in rows] == ["1", "2"]
     assert all(math.isfinite(float(v)) for r in rows for v in r.values())
-    assert set(out["metrics"]) >= {"box", "fitness", "images", "instances"} | ({"mask"} if "seg" in cfg else set())
+    assert {k[-2] for k in out["metrics"]["metrics"]} == ({"B", "M"} if "seg" in cfg else {"B"})
+    assert set(out["metrics"]) >= {"metrics", "fitness", "images", "instances"}
     ckpt = torch.load(run / "weights" / "last.pt", weights_only=True)
     assert ckpt["epoch"] == 1 and ckpt["task"] == ("segment" if "seg" in cfg else "detect")
     assert ckpt["names"][0] == "person"
     assert ckpt["ema_updates"] == 3  # warmup's accumulate is 1, 1, 2 (iteration 3 waits), then the epoch's end
-    assert train.make_run_folder(args_for(tmp_path), restarted=False).endswith("exp2")  # the next run increments
+    assert train.make_run_dir(args_for(tmp_path), {}, None, 0).name == "exp2"  # the next run increments
 
 
 @pytest.mark.slow
@@ -220,7 +240,7 @@ def test_resume_continues_exactly(tmp_path, data_dir, monkeypatch):
     common = ["--data", str(data_dir / "coco8.yaml"), "--epochs", "3", "--noautoanchor", "--workers", "2"]
     whole = Path(train.main(args_for(tmp_path / "a", *common))["save_dir"])
 
-    save = train.save_checkpoint
+    save = checkpoint.save
 
     def save_then_stop(stop_after):  # the run is killed right after that epoch's last.pt is written
         def f(ckpt, path):
@@ -229,14 +249,15 @@ def test_resume_continues_exactly(tmp_path, data_dir, monkeypatch):
                 raise KeyboardInterrupt
         return f
 
-    monkeypatch.setattr(train, "save_checkpoint", save_then_stop(0))
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "resume-test")  # as if under torchrun
+    monkeypatch.setattr(checkpoint, "save", save_then_stop(0))
     with pytest.raises(KeyboardInterrupt):
         train.main(args_for(tmp_path / "b", *common))
     run = tmp_path / "b" / "runs" / "exp"
-    monkeypatch.setattr(train, "save_checkpoint", save_then_stop(1))
+    monkeypatch.setattr(checkpoint, "save", save_then_stop(1))
     with pytest.raises(KeyboardInterrupt):
         train.main(train.get_args_parser().parse_args(["--resume", str(run / "weights" / "last.pt")]))
-    monkeypatch.setattr(train, "save_checkpoint", save)
+    monkeypatch.setattr(checkpoint, "save", save)
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # the same command again, as torchrun restarts it
     assert Path(train.main(args_for(tmp_path / "b", *common))["save_dir"]) == run
 
@@ -255,7 +276,7 @@ def test_weights_transfer_and_freeze(tmp_path, data_dir, fixtures_dir, capsys):
     """--weights: a yolov5 .pt (nc 80) into an nc-80 model: everything but the anchors is taken over."""
     src = fixtures_dir / "yolov5n_random_v5format.pt"
     args = args_for(tmp_path, "--data", str(data_dir / "coco8.yaml"), "--weights", str(src), "--freeze", "10")
-    _, _, model, _, _ = train.load_inputs(args, world_size=1)
+    model = train.build_model(args, load_data_config(args.data), None)
     n = len(model.state_dict())
     assert f"Transferred {n - 1}/{n} items" in capsys.readouterr().out  # all but model.24.anchors
     ref = load_model(src).state_dict()

@@ -13,8 +13,10 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
+import yaml
 
 import val
+from yolo_min.checkpoint import next_run_dir
 from yolo_min.datasets import YOLODataset, build_dataloader, load_data_config
 from yolo_min.models import Model
 
@@ -28,7 +30,7 @@ class Oracle(nn.Module):
     def __init__(self, dataset, batch_size, task, nc=80, nm=32):
         super().__init__()
         self.task, self.nc, self.nm = task, nc, nm if task == "segment" else 0
-        self.model = [SimpleNamespace(nm=self.nm)]
+        self.head, self.names = SimpleNamespace(nm=self.nm), [str(i) for i in range(nc)]
         self.batches = iter(build_dataloader(dataset, batch_size, workers=0, shuffle=False)[0])
         self.anchor = nn.Parameter(torch.zeros(1))  # gives evaluate() a device
         self.rng = np.random.default_rng(0)
@@ -77,23 +79,24 @@ def test_evaluate_oracle_matches_pycocotools_on_predictions_json(data_dir, tmp_p
     dataset = YOLODataset(data["val"], imgsz=160, task=task, rect=True, batch_size=2, stride=32, nc=80)
     loader, _ = build_dataloader(dataset, 2, workers=0, shuffle=False)
     model = Oracle(dataset, 2, task)
-    res = val.evaluate(model, loader, dataset, device="cpu", save_json=tmp_path / "p.json", names=data["names"])
+    res = val.evaluate(model, loader, dataset, save_json=tmp_path / "p.json")
+    m = res["metrics"]
     assert res["images"] == 4 and res["instances"] == 17 and set(res["speed"]) == {"preprocess", "inference", "nms"}
     gt_file = data_dir / name / "annotations/instances_val.json"
     ap, ap50 = cocoeval(gt_file, tmp_path / "p.json", "bbox")
     assert 0.2 < ap < 0.95
-    assert res["box"]["mAP50-95"] == pytest.approx(ap, abs=1e-3)  # GT: label files here, json there
-    assert res["box"]["mAP50"] == pytest.approx(ap50, abs=1e-3)
-    assert 0 < res["box"]["P"] <= 1 and 0 < res["box"]["R"] < 1
+    assert m["mAP50-95(B)"] == pytest.approx(ap, abs=1e-3)  # GT: label files here, json there
+    assert m["mAP50(B)"] == pytest.approx(ap50, abs=1e-3)
+    assert 0 < m["P(B)"] <= 1 and 0 < m["R(B)"] < 1
     if task == "segment":
         ap, ap50 = cocoeval(gt_file, tmp_path / "p.json", "segm")
         assert 0.1 < ap < 0.95
-        assert res["mask"]["mAP50-95"] == pytest.approx(ap, abs=0.005)
-        assert res["mask"]["mAP50"] == pytest.approx(ap50, abs=0.005)
-        want = sum(0.1 * res[k]["mAP50"] + 0.9 * res[k]["mAP50-95"] for k in ("box", "mask"))
+        assert m["mAP50-95(M)"] == pytest.approx(ap, abs=0.005)
+        assert m["mAP50(M)"] == pytest.approx(ap50, abs=0.005)
+        want = sum(0.1 * m[f"mAP50({k})"] + 0.9 * m[f"mAP50-95({k})"] for k in "BM")
         assert res["fitness"] == pytest.approx(want)
-    again = val.evaluate(Oracle(dataset, 2, task), loader, dataset, device="cpu")  # no json: pruned mask work
-    assert {k: again[k] for k in ("box", "mask") if k in res} == {k: res[k] for k in ("box", "mask") if k in res}
+    again = val.evaluate(Oracle(dataset, 2, task), loader, dataset)  # no json: pruned mask work
+    assert again["metrics"] == res["metrics"]
     table = val.format_table(res, data["names"], verbose=True)
     assert "person" in table and len(table.splitlines()) == 2 + len(res["per_class"])
 
@@ -117,8 +120,9 @@ def test_val_main_on_checkpoints(fixtures_dir, data_dir, tmp_path, kind):
     out = tmp_path / "runs" / "exp"
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["images"] == 4 and metrics["instances"] == 17
-    assert set(metrics["box"]) == {"P", "R", "mAP50", "mAP50-95"} and metrics["box"] == res["box"]
-    assert ("mask" in metrics) == (kind != "yolov5")
+    kinds = "BM" if kind != "yolov5" else "B"
+    names = [f"{m}({k})" for k in kinds for m in ("P", "R", "mAP50", "mAP50-95")]
+    assert list(metrics["metrics"]) == names and metrics["metrics"] == res["metrics"]
     preds = json.loads((out / "predictions.json").read_text())
     assert preds and {p["image_id"] for p in preds} <= {36, 42, 49, 61}
     assert all(p["category_id"] in val.COCO91_IDS and len(p["bbox"]) == 4 for p in preds)
@@ -127,9 +131,10 @@ def test_val_main_on_checkpoints(fixtures_dir, data_dir, tmp_path, kind):
 
 
 def test_save_dir_increments(tmp_path):
-    assert val._save_dir(str(tmp_path), "exp", False) == tmp_path / "exp"
-    assert val._save_dir(str(tmp_path), "exp", False) == tmp_path / "exp2"
-    assert val._save_dir(str(tmp_path), "exp", True) == tmp_path / "exp"
+    assert next_run_dir(str(tmp_path), "exp", False) == tmp_path / "exp"
+    (tmp_path / "exp").mkdir()
+    assert next_run_dir(str(tmp_path), "exp", False) == tmp_path / "exp2"
+    assert next_run_dir(str(tmp_path), "exp", True) == tmp_path / "exp"
 
 
 @pytest.mark.slow
@@ -144,4 +149,74 @@ def test_val_under_torchrun_equals_one_process(fixtures_dir, data_dir, tmp_path)
                           *common, "--name", "two"], env=env, cwd=ROOT, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr[-2000:]
     one, two = (json.loads((tmp_path / n / "metrics.json").read_text()) for n in ("one", "two"))
-    assert two["images"] == 4 and two["box"] == one["box"] and one["box"]["mAP50"] > 0
+    assert two["images"] == 4 and two["metrics"] == one["metrics"] and one["metrics"]["mAP50(B)"] > 0
+
+
+# the official COCO 2017 category id of each of the 80 detection classes, by name (ids 12, 26, 29,
+# 30, 45, 66, 68, 69, 71, 83 and 91 are unused); ../shared's annotations number them 1..80 instead
+OFFICIAL_COCO_IDS = {
+    "person": 1, "bicycle": 2, "car": 3, "motorcycle": 4, "airplane": 5, "bus": 6, "train": 7,
+    "truck": 8, "boat": 9, "traffic light": 10, "fire hydrant": 11, "stop sign": 13,
+    "parking meter": 14, "bench": 15, "bird": 16, "cat": 17, "dog": 18, "horse": 19, "sheep": 20,
+    "cow": 21, "elephant": 22, "bear": 23, "zebra": 24, "giraffe": 25, "backpack": 27,
+    "umbrella": 28, "handbag": 31, "tie": 32, "suitcase": 33, "frisbee": 34, "skis": 35,
+    "snowboard": 36, "sports ball": 37, "kite": 38, "baseball bat": 39, "baseball glove": 40,
+    "skateboard": 41, "surfboard": 42, "tennis racket": 43, "bottle": 44, "wine glass": 46,
+    "cup": 47, "fork": 48, "knife": 49, "spoon": 50, "bowl": 51, "banana": 52, "apple": 53,
+    "sandwich": 54, "orange": 55, "broccoli": 56, "carrot": 57, "hot dog": 58, "pizza": 59,
+    "donut": 60, "cake": 61, "chair": 62, "couch": 63, "potted plant": 64, "bed": 65,
+    "dining table": 67, "toilet": 70, "tv": 72, "laptop": 73, "mouse": 74, "remote": 75,
+    "keyboard": 76, "cell phone": 77, "microwave": 78, "oven": 79, "toaster": 80, "sink": 81,
+    "refrigerator": 82, "book": 84, "clock": 85, "vase": 86, "scissors": 87, "teddy bear": 88,
+    "hair drier": 89, "toothbrush": 90,
+}
+
+
+def test_coco_ids_are_the_official_category_ids(fixtures_dir, data_dir, tmp_path):
+    """--save-json writes category_id = class + 1 (as ../shared's annotations number them); with
+    --coco-ids the same detections, in the same order, carry the official COCO id of their class.
+    (Random weights, a low threshold and many detections per image: all 80 classes are predicted.)"""
+    names = yaml.safe_load((data_dir / "coco8.yaml").read_text())["names"]
+    cats = json.loads((data_dir / "coco8" / "annotations" / "instances_val.json").read_text())
+    assert {c["id"]: c["name"] for c in cats["categories"]} == {i + 1: names[i] for i in range(80)}
+    official = [OFFICIAL_COCO_IDS[names[i]] for i in range(80)]
+    assert len(set(official)) == 80
+    for name, extra in (("plain", []), ("coco", ["--coco-ids"])):
+        val.main(val.get_args_parser().parse_args(
+            ["--weights", str(fixtures_dir / "yolov5n_random_v5format.pt"),
+             "--data", str(data_dir / "coco8.yaml"), "--imgsz", "64", "--batch-size", "2",
+             "--device", "cpu", "--workers", "0", "--conf-thres", "0.0001", "--max-det", "3000",
+             "--save-json", "--project", str(tmp_path), "--name", name, *extra]))
+    plain, coco = (json.loads((tmp_path / n / "predictions.json").read_text())
+                   for n in ("plain", "coco"))
+    classes = [p["category_id"] - 1 for p in plain]
+    assert len(plain) == len(coco) > 0
+    assert sorted(set(classes)) == list(range(80))  # every class, so every id is checked
+    assert [{**c, "category_id": 0} for c in coco] == [{**p, "category_id": 0} for p in plain]
+    assert [c["category_id"] for c in coco] == [official[k] for k in classes]
+
+
+def test_bad_input_is_one_line_exit_2(fixtures_dir, data_dir, tmp_path):
+    """A missing --data file, and a --weights file that is no checkpoint (text): one line on
+    stderr, exit code 2."""
+    text = tmp_path / "notes.pt"
+    text.write_text("these are not weights\n")
+    common = [sys.executable, str(ROOT / "val.py"), "--imgsz", "64", "--workers", "0",
+              "--project", str(tmp_path / "runs")]
+    cases = {"missing.yaml": ["--weights", str(fixtures_dir / "yolov5n_random_v5format.pt"),
+                              "--data", str(tmp_path / "missing.yaml")],
+             "not a PyTorch checkpoint": ["--weights", str(text),
+                                          "--data", str(data_dir / "coco8.yaml")]}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = {msg: subprocess.Popen([*common, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True)
+             for msg, args in cases.items()}
+    for msg, p in procs.items():
+        try:
+            _, err = p.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            pytest.fail(f"val.py did not end: {cases[msg]}")
+        assert p.returncode == 2 and len(err.strip().splitlines()) == 1, (msg, p.returncode, err)
+        assert err.startswith("val.py: error: ") and msg in err, err
+    assert not (tmp_path / "runs").exists()

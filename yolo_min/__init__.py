@@ -1,2 +1,3 @@
 """yolo_min: a minimal, pure-PyTorch reference implementation of YOLOv5 detection and segmentation."""
+
 __version__ = "0.1.0"

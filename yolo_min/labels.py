@@ -1,11 +1,9 @@
 """Finding images and verifying their YOLO label files, with a cache of the verification.
 
-Labels live at the image path with the last /images/ -> /labels/ and a .txt extension; rows are
-`cls cx cy w h` or `cls x1 y1 x2 y2 ...` (polygon; box = its extent), normalised to [0, 1]. Every pair
-is verified once (full decode) and cached next to the labels (`labels/<split>.cache`, atomic, keyed by
-file list, sizes, mtimes, modes and nc). Bad input never crashes and is never silent: one warning per
-problem naming file and line, then a summary of counts.
+A label file sits at its image's path with the last /images/ -> /labels/ and the extension .txt.
+Bad input never crashes and is never silent: one warning per problem (file and line), then counts.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -14,24 +12,31 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
+import torch
 from PIL import Image
 
-from . import dist
+from .ops import box_corners, xywh2xyxy
 
 IMG_FORMATS = ("bmp", "jpeg", "jpg", "png", "tif", "tiff", "webp")
-CACHE_VERSION = "yolo_min-labels-1"
+CACHE_VERSION = "yolo_min-labels-2"
 MAX_WARNINGS = 100  # printed per dataset; all are counted
-SLACK, TOL = 1e-3, 0.05  # coordinates this far outside [0,1]: clipped silently / clipped with a warning
+SLACK, TOL = 1e-3, 0.05  # coordinates this far outside [0,1]: clipped silently / with a warning
 FOUND, MISSING, EMPTY, CORRUPT = range(4)
+OPEN_ERRORS = {
+    FileNotFoundError: "image not found",
+    PermissionError: "image unreadable (permission denied)",
+    Image.UnidentifiedImageError: "not an image (PIL cannot identify it)",
+}
+# PIL's formats for an extension; others: the extension, upper case
+PIL_FORMATS = {"jpg": "JPEG MPO", "jpeg": "JPEG MPO", "tif": "TIFF"}
+SUMMARY = (
+    "{images} images: {found} labelled, {missing} missing labels, {empty} empty, {corrupt} "
+    "corrupt; {instances} instances; label rows: {dropped} dropped, {fixed} fixed"
+)
 
 
 class DataError(ValueError):
     """A dataset problem that stops the run: the message is one actionable line."""
-
-
-def warn(msg: str) -> None:
-    """Print a one-line warning on the main process."""
-    dist.print0(f"WARNING {msg}")
 
 
 def img2label_path(f: str) -> str:
@@ -40,9 +45,11 @@ def img2label_path(f: str) -> str:
     return os.path.splitext(f"{head}{os.sep}labels{os.sep}{tail}" if sep else f)[0] + ".txt"
 
 
-def list_images(sources: list, prefix: str = "") -> tuple[list[str], list[str]]:
-    """Image files of folders (recursive), .txt lists (relative lines: against the list's folder) and files."""
+def list_images(sources, prefix: str = "", verbose: bool = True) -> list[str]:
+    """Image files of sources: folders (recursive), .txt lists (lines relative to the list's folder)
+    and files. verbose: warn about files without an image extension (skipped)."""
     files, skipped = [], []
+    sources = [sources] if isinstance(sources, (str, Path)) else sources
     for src in map(Path, sources):
         if not src.exists():
             raise DataError(f"{prefix}{src} not found")
@@ -59,15 +66,18 @@ def list_images(sources: list, prefix: str = "") -> tuple[list[str], list[str]]:
             (files if f.suffix[1:].lower() in IMG_FORMATS else skipped).append(os.path.normpath(f))
     if not files:
         raise DataError(f"{prefix}no images found in {', '.join(map(str, sources))}")
-    return list(dict.fromkeys(files)), [f"{len(skipped)} file(s) without an image extension "
-                                        f"({', '.join(IMG_FORMATS)}) skipped, e.g. {skipped[0]}"] if skipped else []
+    if skipped and verbose:
+        why = f"file(s) without an image extension ({', '.join(IMG_FORMATS)}) skipped"
+        print(f"WARNING {prefix}{len(skipped)} {why}, e.g. {skipped[0]}", flush=True)
+    return list(dict.fromkeys(files))
 
 
 def parse_labels(text: str, where: str, nc: int | None = None) -> tuple[list, list, int, int]:
-    """Label file text -> (rows [(cls, [cx, cy, w, h], polygon (k,2) or None)], msgs, dropped, fixed).
+    """Label file text -> (rows, msgs, dropped, fixed), rows [(cls, [cx, cy, w, h], (k,2) or None)].
 
-    Box rows of a file that also has polygons become rectangles, so every row has a polygon or none does.
-    """
+    A row is `cls cx cy w h` or `cls x1 y1 x2 y2 x3 y3 ...` (a polygon; its box is its extent),
+    normalised to [0, 1]. In a file that has both, box rows become rectangles: all rows or none
+    have a polygon."""
     rows, seen, msgs, dropped, fixed = [], {}, [], 0, 0
     for ln, line in enumerate(text.splitlines(), 1):
         parts, why = line.split(), None
@@ -111,18 +121,20 @@ def parse_labels(text: str, where: str, nc: int | None = None) -> tuple[list, li
             msgs.append(f"{where}:{ln}: {why}; row dropped")
             continue
         seen[tuple(v)] = ln
-        rows.append((int(v[0]), [(x0 + x1) / 2, (y0 + y1) / 2, x1 - x0, y1 - y0], pts if n > 5 else None))
-    if len({r[2] is None for r in rows}) == 2:
+        box = [(x0 + x1) / 2, (y0 + y1) / 2, x1 - x0, y1 - y0]
+        rows.append((int(v[0]), box, pts if n > 5 else None))
+    if len({p is None for _, _, p in rows}) == 2:
         msgs.append(f"{where}: mixes box rows and polygon rows; boxes are used as rectangles")
-        rect = [[-0.5, -0.5], [0.5, -0.5], [0.5, 0.5], [-0.5, 0.5]]
-        rows = [(c, b, np.array(b[:2]) + np.array(rect) * b[2:] if p is None else p) for c, b, p in rows]
+        rows = [(c, b, box_corners(xywh2xyxy(np.array(b))) if p is None else p) for c, b, p in rows]
     return rows, msgs, dropped, fixed
 
 
 def verify(im_file: str, lb_file: str, nc: int | None = None) -> tuple:
     """One image/label pair -> (status, (h, w), rows, msgs, dropped, fixed). Never raises."""
+
     def bad(why):
         return CORRUPT, (0, 0), [], [f"{im_file}: {why}; image skipped"], 0, 0
+
     try:
         if os.path.getsize(im_file) == 0:
             return bad("empty (0-byte) file")
@@ -133,14 +145,12 @@ def verify(im_file: str, lb_file: str, nc: int | None = None) -> tuple:
             im.draft("RGB", (1, 1))  # JPEG: the whole stream is still decoded, at 1/8 scale
             im.load() if im.mode == "RGB" else im.convert("RGB")
     except Exception as e:  # missing, unreadable, not an image, truncated, decompression bomb, ...
-        return bad({FileNotFoundError: "image not found", PermissionError: "image unreadable (permission denied)",
-                    Image.UnidentifiedImageError: "not an image (PIL cannot identify it)"}.get(
-                        type(e), f"corrupt image ({type(e).__name__}: {e})"))
+        return bad(OPEN_ERRORS.get(type(e), f"corrupt image ({type(e).__name__}: {e})"))
     if min(w, h) < 10:
         return bad(f"image too small ({w}x{h} px, need at least 10)")
     ext = os.path.splitext(im_file)[1][1:].lower()
-    msgs = [] if fmt in {"jpg": "JPEG MPO", "jpeg": "JPEG MPO", "tif": "TIFF"}.get(ext, ext.upper()).split() else [
-        f"{im_file}: {fmt} data with a .{ext} extension; used as is"]
+    ok = fmt in PIL_FORMATS.get(ext, ext.upper()).split()
+    msgs = [] if ok else [f"{im_file}: {fmt} data with a .{ext} extension; used as is"]
     if not os.path.exists(lb_file):
         return MISSING, (h, w), [], msgs, 0, 0
     try:
@@ -155,24 +165,33 @@ def verify(im_file: str, lb_file: str, nc: int | None = None) -> tuple:
 
 
 def _verify_all(files: list, lb_files: list, nc) -> dict:
-    """Verify in threads and pack into flat arrays (one cache file, loadable without pickle)."""
+    """Verify every pair (threads) -> plain lists per file, and per row flat tensors (one file
+    holds the whole dataset, readable by torch.load(weights_only=True))."""
     with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as ex:
         res = list(ex.map(lambda a: verify(*a, nc), zip(files, lb_files)))
-    msgs = [m for r in res for m in r[3]] + [
-        f"labels folder {d} does not exist: its images are used as background" for d in
-        sorted({os.path.dirname(lb) for r, lb in zip(res, lb_files) if r[0] == MISSING}) if not os.path.isdir(d)]
     rows = [row for r in res for row in r[2]]
-    return dict(files=np.array(files), status=np.array([r[0] for r in res], np.int8),
-                shapes=np.array([r[1] for r in res], np.int64), nlab=np.array([len(r[2]) for r in res]),
-                cls=np.array([c for c, _, _ in rows], np.int64),
-                boxes=np.array([b for _, b, _ in rows], np.float32).reshape(-1, 4),
-                npts=np.array([0 if p is None else len(p) for _, _, p in rows], np.int64),
-                pts=np.concatenate([p for _, _, p in rows if p is not None] + [np.zeros((0, 2))]).astype(np.float32),
-                msgs=np.array(msgs, dtype=str), rows=np.array([sum(r[4] for r in res), sum(r[5] for r in res)]))
+    polys = [p for _, _, p in rows if p is not None] + [np.zeros((0, 2))]
+    no_dir = sorted({os.path.dirname(lb) for r, lb in zip(res, lb_files) if r[0] == MISSING})
+    bg = "does not exist: its images are used as background"
+    msgs = [m for r in res for m in r[3]]
+    msgs += [f"labels folder {d} {bg}" for d in no_dir if not os.path.isdir(d)]
+    return dict(
+        status=[r[0] for r in res],
+        shapes=[r[1] for r in res],
+        nrows=[len(r[2]) for r in res],
+        cls=torch.tensor([c for c, _, _ in rows], dtype=torch.int64),
+        boxes=torch.from_numpy(np.array([b for _, b, _ in rows], np.float32).reshape(-1, 4)),
+        npts=[0 if p is None else len(p) for _, _, p in rows],
+        pts=torch.from_numpy(np.concatenate(polys).astype(np.float32)),
+        msgs=msgs,
+        dropped=sum(r[4] for r in res),
+        fixed=sum(r[5] for r in res),
+    )
 
 
-def _load_or_build(files: list, prefix: str, nc) -> dict:
-    """Verification results from the cache when its key matches, else verified now (and saved)."""
+def _load_or_build(files: list, nc, prefix: str, verbose: bool) -> dict:
+    """Verification results from `labels/<split>.cache` when its key (this code's version, nc, each
+    image and label file's path, size, mtime and mode) matches, else verified now and saved."""
     lb_files = [img2label_path(f) for f in files]
     h = hashlib.sha256(f"{CACHE_VERSION}|{nc}".encode())
     for f in files + lb_files:
@@ -184,50 +203,56 @@ def _load_or_build(files: list, prefix: str, nc) -> dict:
         h.update(f"{f}|{s}\n".encode())
     key, path = h.hexdigest(), Path(os.path.dirname(lb_files[0]) + ".cache")
     try:
-        with np.load(path, allow_pickle=False) as z:
-            if str(z["key"]) == key:
-                return {k: z[k] for k in z.files}
-    except Exception:  # absent, stale format or damaged: rebuild
+        data = torch.load(path, weights_only=True)  # tensors, lists, numbers, strings: no code
+        if data["key"] == key:
+            return data
+    except Exception:  # absent, another format or damaged: verify again
         pass
-    data = dict(_verify_all(files, lb_files, nc), key=np.array(key))
+    data, why = dict(_verify_all(files, lb_files, nc), key=key), None
     d = path.parent  # root ignores permission bits; a folder marked read-only is respected anyway
     if not (d.is_dir() and os.access(d, os.W_OK) and d.stat().st_mode & 0o222):
-        warn(f"{prefix}label cache not saved: {d} is not writable (labels are re-verified each run)")
-        return data
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            np.savez(f, **data)
-        os.replace(tmp, path)
-    except OSError as e:
-        warn(f"{prefix}label cache not saved to {path} ({e})")
-        tmp.unlink(missing_ok=True)
+        why = f": {d} is not writable (labels are re-verified each run)"
+    else:
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # written whole, then renamed
+        try:
+            torch.save(data, tmp)
+            os.replace(tmp, path)
+        except (OSError, RuntimeError) as e:  # RuntimeError: torch's zip writer, e.g. disk full
+            why = f" to {path} ({e})"
+            tmp.unlink(missing_ok=True)
+    if why and verbose:
+        print(f"WARNING {prefix}label cache not saved{why}", flush=True)
     return data
 
 
-def load_labels(files: list, nc: int | None = None, prefix: str = "") -> tuple[list, list, dict]:
-    """Verified (cached) labels of image files -> (usable files, label dicts, counts); prints warnings + summary."""
-    with dist.main_first():  # under torchrun local rank 0 builds the cache; nothing inside may raise
-        d = _load_or_build(files, prefix, nc)
-    msgs = [prefix + str(m) for m in d["msgs"]]
-    for m in msgs[:MAX_WARNINGS] + [f"{prefix}... and {len(msgs) - MAX_WARNINGS} more"] * (len(msgs) > MAX_WARNINGS):
-        warn(m)
-    st, nlab, npts = d["status"], d["nlab"], d["npts"]
-    ends, pends = np.cumsum(nlab), np.cumsum(npts)
+def load_labels(files: list, nc: int | None = None, prefix: str = "", verbose: bool = True):
+    """Verified (cached) labels of image files -> (usable files, label dicts, counts).
+
+    A label dict: cls (n,) int64, bboxes (n,4) float32 normalised xywh, segments [(k,2) float32
+    normalised] or [], shape (h, w). verbose: print the warnings and a summary line.
+    """
+    d = _load_or_build(files, nc, prefix, verbose)
+    msgs, stop = d["msgs"], MAX_WARNINGS
+    if verbose:
+        more = [f"... and {len(msgs) - stop} more"] if len(msgs) > stop else []
+        for m in msgs[:stop] + more:
+            print(f"WARNING {prefix}{m}", flush=True)
+    starts = np.cumsum([0, *d["nrows"]])  # file i's rows: starts[i] to starts[i + 1]
+    polys = np.split(d["pts"].numpy(), np.cumsum(d["npts"])[:-1])  # per row; (0, 2) for a box
+    cls, boxes = d["cls"].numpy(), d["boxes"].numpy()
     keep, labels = [], []
-    for i in np.flatnonzero(st != CORRUPT):
-        a, b = ends[i] - nlab[i], ends[i]
-        segs = [d["pts"][pends[j] - npts[j]:pends[j]] for j in range(a, b)] if npts[a:b].any() else []
-        keep.append(str(d["files"][i]))
-        labels.append(dict(cls=d["cls"][a:b], bboxes=d["boxes"][a:b], segments=segs,
-                           shape=tuple(map(int, d["shapes"][i]))))
-    c = np.bincount(st, minlength=4)
-    stats = dict(images=len(st), found=int(c[FOUND]), missing=int(c[MISSING]), empty=int(c[EMPTY]),
-                 corrupt=int(c[CORRUPT]), instances=int(sum(len(lb["cls"]) for lb in labels)),
-                 dropped=int(d["rows"][0]), fixed=int(d["rows"][1]), warnings=len(msgs))
-    dist.print0(f"{prefix}{stats['images']} images: {stats['found']} labelled, {stats['missing']} missing labels, "
-                f"{stats['empty']} empty, {stats['corrupt']} corrupt; {stats['instances']} instances; "
-                f"label rows: {stats['dropped']} dropped, {stats['fixed']} fixed")
+    for i in np.flatnonzero(np.array(d["status"]) != CORRUPT):
+        a, b = starts[i], starts[i + 1]
+        segs = [p for p in polys[a:b] if len(p)]
+        keep.append(files[i])
+        labels.append(dict(cls=cls[a:b], bboxes=boxes[a:b], segments=segs, shape=d["shapes"][i]))
+    counts = np.bincount(d["status"], minlength=4).tolist()
+    stats = dict(images=len(files), **dict(zip(("found", "missing", "empty", "corrupt"), counts)))
+    # instances: every row, as corrupt files have none
+    stats.update(instances=len(cls), dropped=d["dropped"], fixed=d["fixed"], warnings=len(msgs))
+    if verbose:
+        print(prefix + SUMMARY.format(**stats), flush=True)
     if not keep:
-        raise DataError(f"{prefix}no usable images: all {len(st)} are corrupt (see the warnings above)")
+        why = f"all {len(files)} are corrupt (see the warnings above)"
+        raise DataError(f"{prefix}no usable images: {why}")
     return keep, labels, stats

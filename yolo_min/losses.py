@@ -1,10 +1,9 @@
-"""YOLOv5 training losses: target assignment, CIoU box loss, objectness, class and mask BCE.
+"""YOLOv5's training loss: target assignment, CIoU box loss, objectness, class and mask BCE.
 
-Holds `DEFAULT_HYP` (hyp.scratch-low), `scale_hyp` (the nc / image-size rescaling training applies),
-`bbox_ciou` and `YOLOLoss`, one implementation for detection and instance segmentation (segment adds
-the mask term). Numerics equal yolov5's ComputeLoss (fixtures loss_*.pt, relative 1e-5).
-Does not hold the optimizer, schedules or augmentation (the hyp dict merely carries their keys).
+One implementation for detection and instance segmentation (segment adds the mask term); it equals
+yolov5's ComputeLoss to relative 1e-5 (fixtures loss_*.pt).
 """
+
 from __future__ import annotations
 
 import math
@@ -15,22 +14,14 @@ import torch.nn.functional as F
 
 from .models import de_parallel
 
-DEFAULT_HYP: dict[str, float] = {
-    "lr0": 0.01, "lrf": 0.01, "momentum": 0.937, "weight_decay": 0.0005, "warmup_epochs": 3.0,
-    "warmup_momentum": 0.8, "warmup_bias_lr": 0.1, "box": 0.05, "cls": 0.5, "cls_pw": 1.0, "obj": 1.0,
-    "obj_pw": 1.0, "iou_t": 0.2, "anchor_t": 4.0, "fl_gamma": 0.0, "hsv_h": 0.015, "hsv_s": 0.7,
-    "hsv_v": 0.4, "degrees": 0.0, "translate": 0.1, "scale": 0.5, "shear": 0.0, "perspective": 0.0,
-    "flipud": 0.0, "fliplr": 0.5, "mosaic": 1.0, "mixup": 0.0, "copy_paste": 0.0, "label_smoothing": 0.0,
-}
-
 # Neighbour-cell offsets (x, y): self, left, up, right, down. A kept pair is also assigned to the
 # left/up (right/down) cell when its centre lies in the left/upper (right/lower) half of its cell.
 _OFFSETS = torch.tensor([[0.0, 0.0], [1.0, 0.0], [0.0, 1.0], [-1.0, 0.0], [0.0, -1.0]]) * 0.5
 
 
 def scale_hyp(hyp: dict, nc: int, imgsz: int, nl: int = 3) -> dict:
-    """A copy of hyp with the loss gains rescaled as training does: the hyp values are tuned for
-    80 classes, 640 pixels and 3 levels (cls ~ classes, obj ~ cells per image, all ~ 1/levels)."""
+    """A copy of hyp with the loss gains, tuned for 80 classes, 640 pixels and 3 levels, rescaled
+    as training does: cls ~ classes, obj ~ cells per image, all ~ 1 / levels."""
     h = dict(hyp)
     h["box"] *= 3 / nl
     h["cls"] *= nc / 80 * 3 / nl
@@ -46,41 +37,39 @@ def bbox_ciou(box1: torch.Tensor, box2: torch.Tensor, eps: float = 1e-7) -> torc
     (x1, y1, w1, h1), (x2, y2, w2, h2) = box1.unbind(-1), box2.unbind(-1)
     l1, r1, t1, b1 = x1 - w1 / 2, x1 + w1 / 2, y1 - h1 / 2, y1 + h1 / 2
     l2, r2, t2, b2 = x2 - w2 / 2, x2 + w2 / 2, y2 - h2 / 2, y2 + h2 / 2
-    inter = (torch.minimum(r1, r2) - torch.maximum(l1, l2)).clamp(0) * \
-            (torch.minimum(b1, b2) - torch.maximum(t1, t2)).clamp(0)
+    inter_w = (torch.minimum(r1, r2) - torch.maximum(l1, l2)).clamp(0)
+    inter = inter_w * (torch.minimum(b1, b2) - torch.maximum(t1, t2)).clamp(0)
     iou = inter / (w1 * h1 + w2 * h2 - inter + eps)
     cw = torch.maximum(r1, r2) - torch.minimum(l1, l2)  # enclosing box
     ch = torch.maximum(b1, b2) - torch.minimum(t1, t2)
-    c2 = cw ** 2 + ch ** 2 + eps
+    c2 = cw**2 + ch**2 + eps
     rho2 = ((l2 + r2 - l1 - r1) ** 2 + (t2 + b2 - t1 - b1) ** 2) / 4
-    v = (4 / math.pi ** 2) * (torch.atan(w2 / h2) - torch.atan(w1 / h1)) ** 2
+    v = (4 / math.pi**2) * (torch.atan(w2 / h2) - torch.atan(w1 / h1)) ** 2
     with torch.no_grad():
         alpha = v / (v - iou + (1 + eps))
     return iou - (rho2 / c2 + v * alpha)
 
 
 class YOLOLoss:
-    """yolov5's loss for a Detect or Segment head; `crit(preds, targets[, masks]) -> (loss, items)`.
+    """yolov5's loss for a Detect or Segment head: `criterion(preds, targets[, masks])`.
 
     preds: the model's train-mode output: detect, a list of nl raw maps (bs, na, ny, nx, 5+nc+nm);
         segment, (maps, protos (bs, nm, Hp, Wp)).
     targets: (N, 6) [img_idx, cls, cx, cy, w, h], xywh normalised to the input image (0..1).
     masks (segment): (bs, Hm, Wm) float overlap index maps: value k marks the k-th target of that
         image (1-based, in targets order), 0 background; resized (nearest) to the protos if needed.
-    items: detached (3,) [box, obj, cls] or (4,) [box, seg, obj, cls], each a per-image mean.
+    Returns (loss to backpropagate, items): items {"box", "obj", "cls"} (segment: also "seg"),
+    detached scalars, each a per-image mean.
 
-    Gradient scale, the one place it is decided: loss = sum(items) * bs * world_size.
-    A component is a mean (over positives / cells / images), i.e. a per-image loss, so times the local
-    batch size bs it is the sum of per-image losses of this rank. DDP then *averages* gradients over
-    the world_size ranks, which the factor world_size undoes: the optimizer always sees the gradient
-    of the sum of per-image losses over the global batch, whatever the world size (yolov5 multiplies
-    by bs here and by WORLD_SIZE in train.py). train.py passes world_size and nothing else.
-    hyp: yolov5 key names (box, obj, cls, anchor_t, cls_pw, obj_pw, fl_gamma, label_smoothing),
-    already rescaled with `scale_hyp`.
+    The gradient scale, decided here only: loss = sum(items) * bs * world_size. Each item is a
+    per-image loss, so times the local batch size it sums this rank's images; DDP *averages*
+    gradients over ranks, which the factor world_size undoes: the optimizer sees the gradient of the
+    summed per-image losses of the global batch at any world size (yolov5 multiplies by bs here and
+    by WORLD_SIZE in train.py). hyp: the recipe's loss keys, rescaled with `scale_hyp`.
     """
 
     def __init__(self, model: nn.Module, hyp: dict, world_size: int = 1):
-        self.head = de_parallel(model).model[-1]  # anchors read per call: AutoAnchor may change them
+        self.head = de_parallel(model).head  # anchors read per call: AutoAnchor may change them
         self.nl, self.nc, self.nm = self.head.nl, self.head.nc, self.head.nm
         self.hyp, self.world_size = dict(hyp), world_size
         self.balance = [4.0, 1.0, 0.4] if self.nl == 3 else [4.0, 1.0, 0.25, 0.06, 0.02][: self.nl]
@@ -90,10 +79,11 @@ class YOLOLoss:
         eps = hyp.get("label_smoothing", 0.0)
         self.cp, self.cn = 1.0 - 0.5 * eps, 0.5 * eps  # positive / negative class targets
 
-    def _bce(self, logits: torch.Tensor, target: torch.Tensor, pos_weight: torch.Tensor) -> torch.Tensor:
-        """Mean BCE-with-logits; with fl_gamma > 0 the focal form (alpha 0.25) of yolov5's FocalLoss."""
+    def _bce(self, logits: torch.Tensor, target: torch.Tensor, pos_weight) -> torch.Tensor:
+        """Mean BCE-with-logits; with fl_gamma > 0 yolov5's focal form (alpha 0.25)."""
         gamma = self.hyp.get("fl_gamma", 0.0)
-        loss = F.binary_cross_entropy_with_logits(logits, target, pos_weight=pos_weight, reduction="none")
+        bce = F.binary_cross_entropy_with_logits
+        loss = bce(logits, target, pos_weight=pos_weight, reduction="none")
         if gamma > 0:
             p = logits.sigmoid()
             p_t = target * p + (1 - target) * (1 - p)
@@ -101,7 +91,7 @@ class YOLOLoss:
         return loss.mean()
 
     def _assign(self, i: int, targets: torch.Tensor, ny: int, nx: int):
-        """Positives of level i, vectorised, in yolov5's order (offset-major, then anchor, then target).
+        """Positives of level i, in yolov5's order (offset-major, then anchor, then target).
 
         Returns b, a, gj, gi (n,) cell indices; tbox (n, 4) xywh in grid units, xy relative to cell
         (gj, gi); anchor wh (n, 2) grid units; k (n,) row of `targets` each positive comes from;
@@ -123,27 +113,30 @@ class YOLOLoss:
         tbox = torch.cat((gxy - gij, gxywh[k, 2:]), 1)
         return targets[k, 0].long(), a, gij[:, 1], gij[:, 0], tbox, anchors[a], k, (gxywh / gain)[k]
 
-    def __call__(self, preds: list | tuple, targets: torch.Tensor,
-                 masks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(
+        self, preds: list | tuple, targets: torch.Tensor, masks: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, dict]:
         maps, protos = preds if self.nm else (preds, None)
         if protos is not None and masks is None:
-            raise ValueError("YOLOLoss: a segmentation model needs masks (bs, H/4, W/4) overlap index maps")
+            raise ValueError("YOLOLoss: a segmentation model needs masks (bs, H/4, W/4)")
         if targets.ndim != 2 or targets.shape[1] != 6:
-            raise ValueError(f"YOLOLoss: targets must be (N, 6) [img, cls, cx, cy, w, h], not {tuple(targets.shape)}")
+            shape = tuple(targets.shape)
+            raise ValueError(f"YOLOLoss: targets must be (N, 6) [img, cls, xywh], not {shape}")
         device, bs = maps[0].device, maps[0].shape[0]
         targets = targets.to(device=device, dtype=torch.float32)
         lbox, lobj, lcls, lseg = (torch.zeros(1, device=device) for _ in range(4))
         seg_parts = []  # per level with positives: (b, coefs, target's index in its image, xywhn)
-        if protos is not None:  # k-th target of its image (1-based, targets order) = value k in masks
+        if protos is not None:  # the k-th target of its image (1-based) is value k in masks
             onehot = F.one_hot(targets[:, 0].long(), bs)
-            rank = (onehot.cumsum(0) * onehot).sum(1)
+            index_in_image = (onehot.cumsum(0) * onehot).sum(1)
         for i, pi in enumerate(maps):
             _, na, ny, nx, _ = pi.shape
             b, a, gj, gi, tbox, anch, k, xywhn = self._assign(i, targets, ny, nx)
             tobj = torch.zeros(pi.shape[:4], dtype=pi.dtype, device=device)
             if n := b.shape[0]:
                 ps = pi[b, a, gj, gi]  # (n, no)
-                pbox = torch.cat((ps[:, :2].sigmoid() * 2 - 0.5, (ps[:, 2:4].sigmoid() * 2) ** 2 * anch), 1)
+                pxy, pwh = ps[:, :2].sigmoid() * 2 - 0.5, (ps[:, 2:4].sigmoid() * 2) ** 2 * anch
+                pbox = torch.cat((pxy, pwh), 1)
                 iou = bbox_ciou(pbox, tbox)
                 lbox += (1.0 - iou).mean()
                 # Objectness target = detached IoU. Several positives may share a cell: the last in
@@ -151,24 +144,28 @@ class YOLOLoss:
                 # so that it is deterministic on every device.
                 cell = ((b * na + a) * ny + gj) * nx + gi
                 order = torch.arange(n, device=device)
-                last = torch.full((tobj.numel(),), -1, device=device).scatter_reduce_(0, cell, order, "amax")
+                last = torch.full((tobj.numel(),), -1, device=device)
+                last.scatter_reduce_(0, cell, order, "amax")
                 win = last[cell] == order
                 tobj.view(-1)[cell[win]] = iou.detach().clamp(0)[win].to(tobj.dtype)
                 if self.nc > 1:  # a single class needs no classifier: objectness covers it
-                    pcls = ps[:, 5:5 + self.nc]
+                    pcls = ps[:, 5 : 5 + self.nc]
                     t = torch.full_like(pcls, self.cn)
                     t[order, targets[k, 1].long()] = self.cp
                     lcls += self._bce(pcls, t, self.cls_pw)
                 if protos is not None:
-                    seg_parts.append((b, ps[:, 5 + self.nc:], rank[k], xywhn))
+                    seg_parts.append((b, ps[:, 5 + self.nc :], index_in_image[k], xywhn))
             lobj += self._bce(pi[..., 4], tobj, self.obj_pw) * self.balance[i]
         if seg_parts:
             lseg += self._seg_loss(seg_parts, protos, masks) * self.hyp["box"] / bs
         lbox *= self.hyp["box"]
         lobj *= self.hyp["obj"]
         lcls *= self.hyp["cls"]
-        items = (lbox, lseg, lobj, lcls) if protos is not None else (lbox, lobj, lcls)
-        return sum(items) * bs * self.world_size, torch.cat(items).detach()
+        items = {"box": lbox, "seg": lseg, "obj": lobj, "cls": lcls}
+        if protos is None:
+            del items["seg"]
+        loss = sum(items.values()) * bs * self.world_size
+        return loss, {k: v.detach()[0] for k, v in items.items()}
 
     def _seg_loss(self, parts: list, protos: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
         """Sum over levels and images of the per-image mean mask loss of the positives.
@@ -183,9 +180,9 @@ class YOLOLoss:
         b, coefs, idx, xywhn = (torch.cat(x) for x in zip(*parts))
         order = torch.argsort(b, stable=True)  # group the positives by image: one matmul per image
         b, coefs, idx, xywhn, level = b[order], coefs[order], idx[order], xywhn[order], level[order]
-        # Only the pixels inside the box count, and a box is a small part of the map: list them as
-        # (positive p, pixel pix) pairs instead of evaluating a BCE over every map. Pixel column c is
-        # in the box iff x1 <= c < x2, i.e. ceil(x1) <= c < ceil(x2) (likewise rows), x1 = x - w/2.
+        # Only the pixels inside the box count, and a box is a small part of the map: list them
+        # as (positive p, pixel pix) pairs instead of a BCE over every map. Pixel column c is in
+        # the box iff x1 <= c < x2, i.e. ceil(x1) <= c < ceil(x2) (likewise rows), x1 = x - w/2.
         x, y, w, h = (xywhn * xywhn.new_tensor([mw, mh, mw, mh])).unbind(1)  # box in proto pixels
         c0, c1 = ((x - w / 2).ceil().clamp(0, mw).long(), (x + w / 2).ceil().clamp(0, mw).long())
         r0, r1 = ((y - h / 2).ceil().clamp(0, mh).long(), (y + h / 2).ceil().clamp(0, mh).long())
@@ -198,19 +195,21 @@ class YOLOLoss:
         pix = q + row * (mw - w_p) + (r0 * mw + c0)[p]  # pixel index in the map
         logits, p0, q0 = [], 0, 0
         pos_per_img = torch.bincount(b, minlength=bs).tolist()
-        pairs_per_img = torch.zeros(bs, dtype=cnt.dtype, device=b.device).index_add(0, b, cnt).tolist()
-        per_image = protos.view(bs, nm, -1).unbind(0)  # one backward for all images, not one per image
+        pairs_per_img = cnt.new_zeros(bs).index_add(0, b, cnt).tolist()
+        per_image = protos.view(bs, nm, -1).unbind(0)  # one backward for all images, not one each
         for bi, (npos, npairs) in enumerate(zip(pos_per_img, pairs_per_img)):
-            if npairs:  # logits of this image's positives (npos, mh * mw), taken at their boxes' pixels
-                maps = coefs[p0:p0 + npos] @ per_image[bi]
-                logits.append(maps.view(-1)[(p[q0:q0 + npairs] - p0) * hw + pix[q0:q0 + npairs]])
+            if npairs:  # this image's positives' logits (npos, mh * mw), at their boxes' pixels
+                maps = coefs[p0 : p0 + npos] @ per_image[bi]
+                at = (p[q0 : q0 + npairs] - p0) * hw + pix[q0 : q0 + npairs]
+                logits.append(maps.view(-1)[at])
             p0, q0 = p0 + npos, q0 + npairs
         per_pos = torch.zeros_like(x)
         if logits:
             gt = masks.reshape(-1)[(b * hw)[p] + pix] == idx[p]
-            bce = F.binary_cross_entropy_with_logits(torch.cat(logits), gt.to(protos.dtype), reduction="none")
-            per_pos = per_pos.index_add(0, p, bce.float())
-        per_pos = per_pos / (mh * mw) / (xywhn[:, 2] * xywhn[:, 3])  # mean over the map / normalised area
+            bce = F.binary_cross_entropy_with_logits
+            per_pair = bce(torch.cat(logits), gt.to(protos.dtype), reduction="none")
+            per_pos = per_pos.index_add(0, p, per_pair.float())
+        per_pos = per_pos / (mh * mw) / (xywhn[:, 2] * xywhn[:, 3])  # mean over map / box area
         group = level * bs + b  # mean per (level, image), summed
         total = per_pos.new_zeros(self.nl * bs).index_add(0, group, per_pos)
         counts = torch.bincount(group, minlength=self.nl * bs)

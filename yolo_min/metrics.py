@@ -1,30 +1,26 @@
 """Detection and segmentation metrics computed exactly as pycocotools' COCOeval does.
 
-Per image: `match_predictions` matches detections to ground truth greedily in score order at every
-threshold of the single constant `IOU_THRESHOLDS` (box IoU and mask IoU alike), giving a per-image
-record keyed by dataset index. Records from every rank are gathered with `dist.all_gather_object`
-and de-duplicated (`gather_records`), then `ap_per_class` / `summarize` turn them into AP
-(101-point interpolated precision envelope, averaged over classes present in the ground truth),
-P and R at the confidence that maximises the mean F1, and `fitness`.
-
-COCOeval correspondence: areaRng "all", maxDets[-1] >= the detections per image (NMS caps them at
-max_det, so run COCOeval with maxDets=[1, 10, max_det] to compare; no per-class cap here), no crowd
-annotations. Ties in score are broken by dataset index, then by the order within the image, as
-COCOeval does with image ids in ascending order. Does not hold NMS or mask assembly (ops.py).
+Per image, `match_predictions` matches detections to ground truth greedily in score order at each
+IoU threshold (boxes and masks alike), giving a small record keyed by dataset index. The entry
+scripts gather every rank's records; `merge_records` de-duplicates them and `summarize` turns them
+into AP (101-point interpolated precision envelope, averaged over the classes present in the ground
+truth), P and R at the confidence of maximum mean F1, and the fitness that picks best.pt.
+COCOeval correspondence: areaRng "all", maxDets >= the detections per image, no crowd annotations;
+ties in score are broken by dataset index, then by order within the image.
 """
+
 from __future__ import annotations
 
 import numpy as np
-
-from . import dist
 
 IOU_THRESHOLDS = np.linspace(0.5, 0.95, 10)  # float64, bit-equal to COCOeval's iouThrs
 RECALL_POINTS = np.linspace(0.0, 1.0, 101)  # COCOeval's recThrs
 CONF_GRID = np.linspace(0.0, 1.0, 1000)  # confidences scanned for the max-mean-F1 point
 EPS = np.spacing(1)
+SUFFIX = {"box": "B", "mask": "M"}  # metric names: "mAP50(B)", "mAP50-95(M)", ...
 
 
-def match_predictions(iou: np.ndarray, conf: np.ndarray, pred_cls: np.ndarray, gt_cls: np.ndarray) -> np.ndarray:
+def match_predictions(iou: np.ndarray, conf, pred_cls, gt_cls) -> np.ndarray:
     """COCO greedy matching of one image's detections to its ground truth at every IoU threshold.
 
     iou (n, m) detection x ground-truth IoU (boxes or masks); conf (n,); pred_cls (n,); gt_cls (m,).
@@ -36,13 +32,14 @@ def match_predictions(iou: np.ndarray, conf: np.ndarray, pred_cls: np.ndarray, g
     tp = np.zeros((n, len(IOU_THRESHOLDS)), dtype=bool)
     if n == 0 or m == 0:
         return tp
-    iou = np.where(np.asarray(pred_cls)[:, None] == np.asarray(gt_cls)[None], np.asarray(iou, np.float64), -1.0)
+    same_class = np.asarray(pred_cls)[:, None] == np.asarray(gt_cls)[None]
+    iou = np.where(same_class, np.asarray(iou, np.float64), -1.0)
     order = np.argsort(-np.asarray(conf), kind="stable")
     thr = IOU_THRESHOLDS[:, None]
     free = np.ones((len(IOU_THRESHOLDS), m), dtype=bool)
     rows = np.arange(len(IOU_THRESHOLDS))
     for d in order[iou[order].max(1) >= IOU_THRESHOLDS[0]]:  # only these can match anything
-        cand = np.where(free & (iou[d] >= thr), iou[d], -1.0)[:, ::-1]  # reversed: argmax finds the last best
+        cand = np.where(free & (iou[d] >= thr), iou[d], -1.0)[:, ::-1]  # argmax: the last best
         best = cand.argmax(1)
         hit, j = cand[rows, best] >= 0, m - 1 - best
         tp[d, hit] = True
@@ -51,35 +48,34 @@ def match_predictions(iou: np.ndarray, conf: np.ndarray, pred_cls: np.ndarray, g
 
 
 def image_record(index: int, conf, pred_cls, gt_cls, ious: dict) -> dict:
-    """Everything AP needs from one image, keyed by its dataset index (small; gathered across ranks).
+    """What AP needs from one image, keyed by its dataset index (small, to gather across ranks).
 
-    conf (n,), pred_cls (n,), gt_cls (m,); ious {"box": (n, m), "mask": (n, m)} any subset.
-    Returns {"index", "conf" (n,) float64, "cls" (n,) int64, "gt_cls" (m,) int64, "tp": {kind: (n, T) bool}}.
+    conf (n,), pred_cls (n,), gt_cls (m,); ious {"box": (n, m), "mask": (n, m)}, any subset.
+    Returns {"index", "conf" (n,), "cls" (n,), "gt_cls" (m,), "tp": {kind: (n, T) bool}}.
     """
     conf = np.asarray(conf, dtype=np.float64).reshape(-1)
     pred_cls = np.asarray(pred_cls, dtype=np.int64).reshape(-1)
     gt_cls = np.asarray(gt_cls, dtype=np.int64).reshape(-1)
-    tp = {k: match_predictions(np.asarray(v, np.float64).reshape(len(conf), len(gt_cls)), conf, pred_cls, gt_cls)
-          for k, v in ious.items()}
+    tp = {}
+    for kind, iou in ious.items():
+        iou = np.asarray(iou, np.float64).reshape(len(conf), len(gt_cls))
+        tp[kind] = match_predictions(iou, conf, pred_cls, gt_cls)
     return {"index": int(index), "conf": conf, "cls": pred_cls, "gt_cls": gt_cls, "tp": tp}
 
 
-def gather_records(records: list[dict]) -> list[dict]:
-    """Every rank's records, de-duplicated by dataset index and sorted by it (same list on every rank)."""
-    merged: dict[int, dict] = {}
-    for part in dist.all_gather_object(records):
-        for r in part:
-            merged.setdefault(r["index"], r)
+def merge_records(parts: list[list[dict]]) -> list[dict]:
+    """Every rank's records as one list, de-duplicated by dataset index and sorted by it."""
+    merged = {r["index"]: r for part in reversed(parts) for r in part}  # the first rank's wins
     return [merged[i] for i in sorted(merged)]
 
 
-def ap_per_class(tp: np.ndarray, conf: np.ndarray, pred_cls: np.ndarray, gt_cls: np.ndarray) -> dict:
+def ap_per_class(tp: np.ndarray, conf: np.ndarray, pred_cls: np.ndarray, gt_cls) -> dict:
     """COCO AP per class from the detections of all images.
 
-    tp (N, T) bool, conf (N,), pred_cls (N,): detections concatenated in dataset-index order, each image's
-    in descending score order; gt_cls (M,) every ground-truth class.
-    Returns {"classes" (K,) classes present in the ground truth, "n_gt" (K,), "ap" (K, T),
-    "p" (K,), "r" (K,) at the confidence that maximises the mean F1 over classes, "conf": that confidence}.
+    tp (N, T) bool, conf (N,), pred_cls (N,): the detections of all images in dataset-index order,
+    each image's by descending score; gt_cls (M,) every ground-truth class.
+    Returns for the K classes present in the ground truth, in class order: AP (K, T), and P (K,)
+    and R (K,) at the confidence that maximises the mean F1 over classes.
     """
     classes, n_gt = np.unique(np.asarray(gt_cls, np.int64), return_counts=True)
     k, t = len(classes), tp.shape[1]
@@ -105,44 +101,51 @@ def ap_per_class(tp: np.ndarray, conf: np.ndarray, pred_cls: np.ndarray, gt_cls:
         p_curve[ci] = np.where(n_above > 0, tpc[last, 0] / np.maximum(n_above, 1), 1.0)
     f1 = 2 * p_curve * r_curve / (p_curve + r_curve + 1e-16)
     best = int(f1.mean(0).argmax()) if k else 0
-    return {"classes": classes, "n_gt": n_gt, "ap": ap, "p": p_curve[:, best], "r": r_curve[:, best],
-            "conf": float(CONF_GRID[best])}
+    return ap, p_curve[:, best], r_curve[:, best]
 
 
-def _kind_summary(res: dict) -> dict:
-    if len(res["classes"]) == 0:
-        return {"P": 0.0, "R": 0.0, "mAP50": 0.0, "mAP50-95": 0.0}
-    return {"P": float(res["p"].mean()), "R": float(res["r"].mean()),
-            "mAP50": float(res["ap"][:, 0].mean()), "mAP50-95": float(res["ap"].mean())}
+def metric_names(kinds: tuple[str, ...]) -> list[str]:
+    """The names summarize gives the metrics of these kinds ("box", "mask")."""
+    return [f"{m}({SUFFIX[k]})" for k in kinds for m in ("P", "R", "mAP50", "mAP50-95")]
 
 
 def summarize(records: list[dict], kinds: tuple[str, ...] = ("box",)) -> dict:
-    """Metrics from gathered per-image records.
+    """Metrics of all images' records: {"metrics": {"P(B)", "R(B)", "mAP50(B)", "mAP50-95(B)"
+    (and the same with (M) for masks)}, "fitness", "images", "instances", "per_class": [{"class",
+    "images", "instances", and its metrics}]} for the classes present in the ground truth."""
 
-    Returns {kind: {"P", "R", "mAP50", "mAP50-95"} for kind in kinds, "images": n, "instances": n,
-    "fitness": float, "per_class": [{"class", "images", "instances", kind: {...}}, ...]} (classes in GT).
-    """
-    cat = (lambda key: np.concatenate([r[key] for r in records])) if records else (lambda key: np.zeros(0))
-    conf, pred_cls, gt_cls = cat("conf"), cat("cls").astype(np.int64), cat("gt_cls").astype(np.int64)
-    out, per_kind = {}, {}
-    for kind in kinds:
-        tp = (np.concatenate([r["tp"][kind] for r in records]) if records
-              else np.zeros((0, len(IOU_THRESHOLDS)), dtype=bool))
-        per_kind[kind] = ap_per_class(tp, conf, pred_cls, gt_cls)
-        out[kind] = _kind_summary(per_kind[kind])
+    def cat(key: str, dtype) -> np.ndarray:
+        return np.concatenate([r[key] for r in records]) if records else np.zeros(0, dtype)
+
+    conf, pred_cls, gt_cls = cat("conf", np.float64), cat("cls", np.int64), cat("gt_cls", np.int64)
     classes, n_gt = np.unique(gt_cls, return_counts=True)
-    images_with = np.bincount(np.concatenate([np.unique(r["gt_cls"]) for r in records] or [np.zeros(0, np.int64)]),
-                              minlength=int(classes.max(initial=-1)) + 1)
-    out["per_class"] = [
-        {"class": int(c), "images": int(images_with[c]), "instances": int(n),
-         **{kind: {"P": float(res["p"][i]), "R": float(res["r"][i]), "mAP50": float(res["ap"][i, 0]),
-                   "mAP50-95": float(res["ap"][i].mean())} for kind, res in per_kind.items()}}
-        for i, (c, n) in enumerate(zip(classes, n_gt))]
-    out["images"], out["instances"] = len(records), int(len(gt_cls))
-    out["fitness"] = fitness(out)
-    return out
+    present = np.concatenate([np.unique(r["gt_cls"]) for r in records] + [classes[:0]])
+    images_with = np.bincount(present, minlength=int(classes.max(initial=-1)) + 1)
+    rows = [
+        {"class": int(c), "images": int(images_with[c]), "instances": int(n)}
+        for c, n in zip(classes, n_gt)
+    ]
+    metrics = {}
+    for kind in kinds:
+        tp = np.concatenate([r["tp"][kind] for r in records] + [np.zeros((0, 10), bool)])
+        ap, p, r = ap_per_class(tp, conf, pred_cls, gt_cls)
+        columns = {"P": p, "R": r, "mAP50": ap[:, 0], "mAP50-95": ap}
+        for name, values in columns.items():
+            key = f"{name}({SUFFIX[kind]})"
+            metrics[key] = float(values.mean()) if len(classes) else 0.0
+            for row, v in zip(rows, values):
+                row[key] = float(v.mean())
+    images, instances = len(records), len(gt_cls)
+    out = {
+        "metrics": metrics,
+        "fitness": fitness(metrics),
+        "images": images,
+        "instances": instances,
+    }
+    return out | {"per_class": rows}
 
 
 def fitness(metrics: dict) -> float:
-    """0.1 * mAP50 + 0.9 * mAP50-95, summed over box and (when present) mask."""
-    return float(sum(0.1 * metrics[k]["mAP50"] + 0.9 * metrics[k]["mAP50-95"] for k in ("box", "mask") if k in metrics))
+    """0.1 * mAP50 + 0.9 * mAP50-95, summed over boxes and (segment) masks."""
+    kinds = [s for s in SUFFIX.values() if f"mAP50({s})" in metrics]
+    return sum(0.1 * metrics[f"mAP50({s})"] + 0.9 * metrics[f"mAP50-95({s})"] for s in kinds)

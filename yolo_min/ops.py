@@ -1,4 +1,4 @@
-"""Box and mask helpers shared by validation, prediction and plotting.
+"""Box and mask helpers shared by the data pipeline, validation, prediction and plotting.
 
 Holds box format conversion, IoU, NMS (yolov5 semantics, torchvision batched NMS, no time limit),
 mapping boxes and masks from the letterboxed network input back to the original image, mask
@@ -6,6 +6,7 @@ assembly from prototypes, polygon rasterisation and COCO RLE encoding (no pycoco
 Does not hold matching or AP (metrics.py). Coordinates are pixels; `ratio_pad` is the dataset's
 ((ratio_h, ratio_w), (pad_w, pad_h)) letterbox record, `*_hw` are (height, width).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -14,15 +15,21 @@ import torch.nn.functional as F
 import torchvision
 
 
-def xywh2xyxy(x: torch.Tensor) -> torch.Tensor:
-    """(..., 4) [cx, cy, w, h] -> [x1, y1, x2, y2]."""
+def xywh2xyxy(x: torch.Tensor | np.ndarray) -> torch.Tensor | np.ndarray:
+    """(..., 4) [cx, cy, w, h] -> [x1, y1, x2, y2], a tensor or a numpy array like x."""
     xy, wh = x[..., :2], x[..., 2:4] / 2
-    return torch.cat((xy - wh, xy + wh), -1)
+    return (torch.cat if isinstance(x, torch.Tensor) else np.concatenate)((xy - wh, xy + wh), -1)
 
 
-def xyxy2xywh(x: torch.Tensor) -> torch.Tensor:
-    """(..., 4) [x1, y1, x2, y2] -> [cx, cy, w, h]."""
-    return torch.cat(((x[..., :2] + x[..., 2:4]) / 2, x[..., 2:4] - x[..., :2]), -1)
+def xyxy2xywh(x: torch.Tensor | np.ndarray) -> torch.Tensor | np.ndarray:
+    """(..., 4) [x1, y1, x2, y2] -> [cx, cy, w, h], a tensor or a numpy array like x."""
+    xy, wh = (x[..., :2] + x[..., 2:4]) / 2, x[..., 2:4] - x[..., :2]
+    return (torch.cat if isinstance(x, torch.Tensor) else np.concatenate)((xy, wh), -1)
+
+
+def box_corners(xyxy: np.ndarray) -> np.ndarray:
+    """(..., 4) xyxy boxes -> (..., 4, 2) corners [x, y] clockwise from the top-left, dtype kept."""
+    return xyxy[..., [0, 1, 2, 1, 2, 3, 0, 3]].reshape(*xyxy.shape[:-1], 4, 2)
 
 
 def box_iou(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -30,9 +37,15 @@ def box_iou(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torchvision.ops.box_iou(a, b)
 
 
-def non_max_suppression(pred: torch.Tensor, conf_thres: float = 0.25, iou_thres: float = 0.45,
-                        multi_label: bool = False, max_det: int = 300, nm: int = 0,
-                        max_nms: int = 30000) -> list[torch.Tensor]:
+def non_max_suppression(
+    pred: torch.Tensor,
+    conf_thres: float = 0.25,
+    iou_thres: float = 0.45,
+    multi_label: bool = False,
+    max_det: int = 300,
+    nm: int = 0,
+    max_nms: int = 30000,
+) -> list[torch.Tensor]:
     """Per-class NMS of decoded head output.
 
     pred (bs, N, 5+nc+nm): [cx, cy, w, h (input pixels), obj, cls probs..., mask coefs...].
@@ -44,7 +57,7 @@ def non_max_suppression(pred: torch.Tensor, conf_thres: float = 0.25, iou_thres:
     out = []
     for x in pred:
         x = x[x[:, 4] > conf_thres].float()
-        scores = x[:, 5:5 + nc] * x[:, 4:5]
+        scores = x[:, 5 : 5 + nc] * x[:, 4:5]
         if multi_label:
             i, j = (scores > conf_thres).nonzero().T
             conf = scores[i, j]
@@ -52,7 +65,7 @@ def non_max_suppression(pred: torch.Tensor, conf_thres: float = 0.25, iou_thres:
             conf, j = scores.max(1)
             i = (conf > conf_thres).nonzero().squeeze(1)
             conf, j = conf[i], j[i]
-        det = torch.cat((xywh2xyxy(x[i, :4]), conf[:, None], j[:, None].float(), x[i, 5 + nc:]), 1)
+        det = torch.cat((xywh2xyxy(x[i, :4]), conf[:, None], j[:, None].float(), x[i, 5 + nc :]), 1)
         det = det[conf.argsort(descending=True)[:max_nms]]
         keep = torchvision.ops.batched_nms(det[:, :4], det[:, 4], det[:, 5], iou_thres)
         out.append(det[keep[:max_det]])
@@ -68,8 +81,9 @@ def scale_boxes(boxes: torch.Tensor, ratio_pad, orig_hw: tuple[int, int]) -> tor
     return b
 
 
-def process_mask(protos: torch.Tensor, coefs: torch.Tensor, boxes: torch.Tensor,
-                 input_hw: tuple[int, int]) -> torch.Tensor:
+def process_mask(
+    protos: torch.Tensor, coefs: torch.Tensor, boxes: torch.Tensor, input_hw: tuple[int, int]
+) -> torch.Tensor:
     """Instance masks at the network input size.
 
     protos (nm, h, w), coefs (n, nm), boxes (n, 4) xyxy input pixels -> (n, H, W) bool:
@@ -93,12 +107,17 @@ def scale_masks(masks: torch.Tensor, ratio_pad, orig_hw: tuple[int, int]) -> tor
     The padding is cut and the rest resized (nearest) to orig_hw.
     """
     (rh, rw), (pw, ph) = ratio_pad
-    top, left = round(ph - 0.1), round(pw - 0.1)  # the image starts here (yolov5 splits odd padding this way)
-    m = masks[:, top:top + round(orig_hw[0] * rh), left:left + round(orig_hw[1] * rw)]
+    top, left = (
+        round(ph - 0.1),
+        round(pw - 0.1),
+    )  # the image starts here (yolov5 splits odd padding this way)
+    m = masks[:, top : top + round(orig_hw[0] * rh), left : left + round(orig_hw[1] * rw)]
     if m.shape[0] == 0:
         return masks.new_zeros((0, *orig_hw))
     if tuple(m.shape[1:]) != tuple(orig_hw):
-        m = F.interpolate(m[None].to(torch.uint8), size=tuple(orig_hw), mode="nearest-exact")[0].bool()
+        m = F.interpolate(m[None].to(torch.uint8), size=tuple(orig_hw), mode="nearest-exact")[
+            0
+        ].bool()
     return m
 
 
@@ -118,8 +137,15 @@ def polygons_to_masks(polygons: list, hw: tuple[int, int]) -> torch.Tensor:
             continue
         xs, ys, xe, ye = p[:, 0], p[:, 1], np.roll(p[:, 0], -1), np.roll(p[:, 1], -1)
         along_x = np.abs(xe - xs) >= np.abs(ye - ys)
-        flip = np.where(along_x, xs > xe, ys > ye)  # round from the lower end, walk in the edge's direction
-        x0, y0, x1, y1 = np.where(flip, xe, xs), np.where(flip, ye, ys), np.where(flip, xs, xe), np.where(flip, ys, ye)
+        flip = np.where(
+            along_x, xs > xe, ys > ye
+        )  # round from the lower end, walk in the edge's direction
+        x0, y0, x1, y1 = (
+            np.where(flip, xe, xs),
+            np.where(flip, ye, ys),
+            np.where(flip, xs, xe),
+            np.where(flip, ys, ye),
+        )
         n = np.maximum(np.abs(xe - xs), np.abs(ye - ys))
         slope = np.where(along_x, y1 - y0, x1 - x0) / np.maximum(n, 1)
         e = np.repeat(np.arange(len(p)), n + 1)  # edge of each walked point
@@ -134,7 +160,9 @@ def polygons_to_masks(polygons: list, hw: tuple[int, int]) -> torch.Tensor:
         if keep.any():  # toggles in column-major order, parity fills; columns lo..hi only
             col, row = col[keep].astype(np.int64), row[keep].astype(np.int64)
             lo, hi = col.min(), col.max() + 1
-            toggles = np.bincount((col - lo) * h + row, minlength=(hi - lo) * h + 1)[:(hi - lo) * h]
+            toggles = np.bincount((col - lo) * h + row, minlength=(hi - lo) * h + 1)[
+                : (hi - lo) * h
+            ]
             out[i, :, lo:hi] = (np.cumsum(toggles) % 2 == 1).reshape(hi - lo, h).T
     return torch.from_numpy(out)
 
