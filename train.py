@@ -19,7 +19,6 @@ import math
 import os
 import random
 import resource
-import shutil
 import signal
 import sys
 import time
@@ -98,11 +97,9 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
         raise ConfigError("--epochs and --log-every must be >= 1, --workers and --patience >= 0")
     if args.imgsz < 32:
         raise ConfigError(f"--imgsz {args.imgsz}: at least 32")
-    if args.batch_size < world_size or args.batch_size % world_size:
-        raise ConfigError(
-            f"--batch-size {args.batch_size} must be a multiple of the world size {world_size} "
-            "(it is the global batch: each rank takes an equal share)"
-        )
+    if args.batch_size < world_size or args.batch_size % world_size:  # the global batch
+        size = f"--batch-size {args.batch_size} must be a multiple of the world size {world_size}"
+        raise ConfigError(size)
     if args.imgsz % 32:
         size = make_divisible(args.imgsz, 32)
         dist.print0(f"warning: --imgsz {args.imgsz} is not a multiple of 32, using {size}")
@@ -243,55 +240,15 @@ def log_every(loader, every: int, header: str, stats: dict):
         yield i, batch
         if dist.is_main() and ((i + 1) % every == 0 or i + 1 == n):
             rate = (i + 1) / (time.time() - t0)
-            if torch.cuda.is_initialized():
-                mem = torch.cuda.max_memory_reserved() / 1e9
-            else:  # ru_maxrss: kB on Linux
-                mem = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
+            mem = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # peak RSS, GB
+            mem = torch.cuda.max_memory_reserved() / 1e9 if torch.cuda.is_initialized() else mem
             text = "  ".join(f"{k} {v:.4g}" for k, v in stats.items())
             eta = datetime.timedelta(seconds=round((n - i - 1) / rate))
             progress = f"{header} [{i + 1}/{n}]  {rate:.2f} it/s  eta {eta}"
             print(f"{progress}  {text}  mem {mem:.2f}G", flush=True)
 
 
-# ---------------------------------------------------------------- run folder and resume
-def make_run_dir(args, hyp: dict, run_id: str | None, need_bytes: int) -> Path:
-    """Make the run folder (a resumed or restarted run's own) with weights/, args.yaml and hyp.yaml;
-    fail early if it is unwritable or its disk has less than need_bytes free."""
-    path = checkpoint.next_run_dir(args.project, args.name, args.exist_ok)
-    path = Path(args.resume).parent.parent if args.resume else path
-    path = checkpoint.find_run_dir(args.project, run_id) or path
-    free = shutil.disk_usage(next(p for p in (path, *path.parents) if p.exists())).free
-    if free < need_bytes:
-        need = f"checkpoints need about {need_bytes / 1e6:.0f} MB"
-        raise ConfigError(f"{path}: only {free / 1e6:.1f} MB free on disk, {need}")
-    try:
-        (path / "weights").mkdir(parents=True, exist_ok=True)
-        (path / "args.yaml").write_text(yaml.safe_dump(vars(args), sort_keys=False))
-        (path / "hyp.yaml").write_text(yaml.safe_dump(hyp, sort_keys=False))
-        (path / checkpoint.RUN_ID_FILE).write_text(run_id or "")
-    except OSError as e:
-        raise ConfigError(f"cannot write the run folder {path}: {e}") from None
-    return path
-
-
-def find_resume(args, run_id: str | None) -> tuple[str, dict] | None:
-    """(path, checkpoint) to continue from: --resume (a last.pt, or the newest under --project),
-    or after a torchrun restart this run's own last.pt. None: a new run."""
-    own = checkpoint.find_run_dir(args.project, run_id)
-    if args.resume is True:
-        runs = Path(args.project).glob("*/weights/last.pt")
-        path = max(runs, key=os.path.getmtime, default=None)
-        if path is None:
-            raise ConfigError(f"--resume: no run with a weights/last.pt under {args.project}")
-    elif args.resume:
-        path = Path(args.resume)
-    elif own and (path := own / "weights" / "last.pt").is_file():
-        print(f"torchrun restart: resuming from {path}", flush=True)
-    else:
-        return None
-    return str(path), checkpoint.load(path)
-
-
+# ---------------------------------------------------------------- resume
 def resumed_args(cli, path: str, ckpt: dict) -> argparse.Namespace:
     """The resumed run's own arguments, checked as command-line ones; only --device may change."""
     defaults = vars(get_args_parser().parse_args([]))
@@ -314,7 +271,7 @@ def prepare(args, info) -> tuple:
     Returns (args, resumed checkpoint or None, hyp, model, train_set, val_set, save_dir)."""
     try:
         ckpt, run_id = None, dist.torchrun_id()
-        if resumed := dist.run_on_main(find_resume, args, run_id):
+        if resumed := dist.run_on_main(checkpoint.find_resume, args, run_id):
             args, ckpt = resumed_args(args, *resumed), resumed[1]
         check_args(args, info.world_size)
         hyp = load_hyp(ckpt["hyp"] if ckpt else args.hyp)
@@ -324,7 +281,7 @@ def prepare(args, info) -> tuple:
             model = build_model(args, data, ckpt)
             train_set, val_set = build_datasets(args, hyp, model, data, info)
         need = 36 * sum(p.numel() for p in model.parameters())  # 3 files of 3 fp32 copies
-        save_dir = dist.run_on_main(make_run_dir, args, hyp, run_id, need)
+        save_dir = dist.run_on_main(checkpoint.make_run_dir, args, hyp, run_id, need)
     except (ValueError, OSError, yaml.YAMLError) as e:  # DataError, CheckpointError: ValueErrors
         raise ConfigError(str(e).splitlines()[0]) from None
     return args, ckpt, hyp, model, train_set, val_set, save_dir

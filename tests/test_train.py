@@ -120,26 +120,26 @@ def test_run_folders_and_resume_lookup(tmp_path):
     """Two torchrun runs share a --project: after a restart each finds its own folder by its run id,
     not the newest one."""
     args, runs = args_for(tmp_path), tmp_path / "runs"
-    assert train.make_run_dir(args, {}, "run-a", 0) == runs / "exp"
-    assert train.make_run_dir(args, {}, "run-b", 0) == runs / "exp2"  # started meanwhile
-    assert train.make_run_dir(args, {}, None, 0) == runs / "exp3"
-    assert train.make_run_dir(args, {}, "run-a", 0) == runs / "exp"  # run a, restarted
-    assert train.make_run_dir(args, {}, "run-b", 0) == runs / "exp2"
+    assert checkpoint.make_run_dir(args, {}, "run-a", 0) == runs / "exp"
+    assert checkpoint.make_run_dir(args, {}, "run-b", 0) == runs / "exp2"  # started meanwhile
+    assert checkpoint.make_run_dir(args, {}, None, 0) == runs / "exp3"
+    assert checkpoint.make_run_dir(args, {}, "run-a", 0) == runs / "exp"  # run a, restarted
+    assert checkpoint.make_run_dir(args, {}, "run-b", 0) == runs / "exp2"
     assert (runs / "exp2" / "weights").is_dir() and (runs / "exp2" / "args.yaml").is_file()
-    assert train.find_resume(args, "run-a") is None  # no last.pt yet: start afresh
-    assert train.find_resume(args, None) is None
+    assert checkpoint.find_resume(args, "run-a") is None  # no last.pt yet: start afresh
+    assert checkpoint.find_resume(args, None) is None
     model = Model("yolov5n.yaml", nc=1)
     opt = train.build_optimizer(model, 0.01, 0.9, 0.0)
     scaler, ema = torch.amp.GradScaler("cuda", enabled=False), train.ModelEMA(model)
     hyp, rngs = train.load_hyp(""), [checkpoint.rng_state()]
     state = checkpoint.training_state(model, ema, opt, scaler, 0, (0.0, 0), args, hyp, rngs)
     checkpoint.save(state, runs / "exp" / "weights" / "last.pt")
-    assert train.find_resume(args, "run-a")[0] == str(runs / "exp" / "weights" / "last.pt")
-    assert train.find_resume(args, "run-b") is None
-    with pytest.raises(train.ConfigError, match="no run"):
-        train.find_resume(args_for(tmp_path / "empty", "--resume"), None)
+    assert checkpoint.find_resume(args, "run-a")[0] == str(runs / "exp" / "weights" / "last.pt")
+    assert checkpoint.find_resume(args, "run-b") is None
+    with pytest.raises(ValueError, match="no run"):
+        checkpoint.find_resume(args_for(tmp_path / "empty", "--resume"), None)
     with pytest.raises(checkpoint.CheckpointError, match=r"nope.pt: cannot read it \(No such file"):
-        train.find_resume(args_for(tmp_path, "--resume", str(tmp_path / "nope.pt")), None)
+        checkpoint.find_resume(args_for(tmp_path, "--resume", str(tmp_path / "nope.pt")), None)
 
 
 def test_check_anchors_refits_poor_anchors():
@@ -222,7 +222,7 @@ def test_two_epochs_on_coco8(tmp_path, data_dir, cfg, data):
     assert ckpt["epoch"] == 1 and ckpt["task"] == ("segment" if "seg" in cfg else "detect")
     assert ckpt["names"][0] == "person"
     assert ckpt["ema_updates"] == 3  # warmup's accumulate is 1, 1, 2 (iteration 3 waits), then the epoch's end
-    assert train.make_run_dir(args_for(tmp_path), {}, None, 0).name == "exp2"  # the next run increments
+    assert checkpoint.make_run_dir(args_for(tmp_path), {}, None, 0).name == "exp2"  # the next run increments
 
 
 @pytest.mark.slow

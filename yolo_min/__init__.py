@@ -1,3 +1,3 @@
-"""yolo_min: a minimal, pure-PyTorch reference implementation of YOLOv5 detection and segmentation."""
+"""yolo_min: a minimal, pure-PyTorch reference implementation of YOLOv5."""
 
 __version__ = "0.1.0"

@@ -13,12 +13,14 @@ import io
 import os
 import pickle
 import random
+import shutil
 import signal
 import threading
 from pathlib import Path
 
 import numpy as np
 import torch
+import yaml
 
 from .models import Model
 
@@ -45,6 +47,44 @@ def find_run_dir(project: str | Path, run_id: str | None) -> Path | None:
     """The run folder that the torchrun run `run_id` made under project before a restart."""
     marks = Path(project).glob(f"*/{RUN_ID_FILE}") if run_id else ()
     return next((m.parent for m in marks if m.read_text() == run_id), None)
+
+
+def make_run_dir(args, hyp: dict, run_id: str | None, need_bytes: int) -> Path:
+    """Make the run folder (a resumed or restarted run's own) with weights/, args.yaml and hyp.yaml;
+    fail early if it is unwritable or its disk has less than need_bytes free."""
+    path = next_run_dir(args.project, args.name, args.exist_ok)
+    path = Path(args.resume).parent.parent if args.resume else path
+    path = find_run_dir(args.project, run_id) or path
+    free = shutil.disk_usage(next(p for p in (path, *path.parents) if p.exists())).free
+    if free < need_bytes:
+        need = f"checkpoints need about {need_bytes / 1e6:.0f} MB"
+        raise ValueError(f"{path}: only {free / 1e6:.1f} MB free on disk, {need}")
+    try:
+        (path / "weights").mkdir(parents=True, exist_ok=True)
+        (path / "args.yaml").write_text(yaml.safe_dump(vars(args), sort_keys=False))
+        (path / "hyp.yaml").write_text(yaml.safe_dump(hyp, sort_keys=False))
+        (path / RUN_ID_FILE).write_text(run_id or "")
+    except OSError as e:
+        raise ValueError(f"cannot write the run folder {path}: {e}") from None
+    return path
+
+
+def find_resume(args, run_id: str | None) -> tuple[str, dict] | None:
+    """(path, checkpoint) to continue from: --resume (a last.pt, or the newest under --project),
+    or after a torchrun restart this run's own last.pt. None: a new run."""
+    own = find_run_dir(args.project, run_id)
+    if args.resume is True:
+        runs = Path(args.project).glob("*/weights/last.pt")
+        path = max(runs, key=os.path.getmtime, default=None)
+        if path is None:
+            raise ValueError(f"--resume: no run with a weights/last.pt under {args.project}")
+    elif args.resume:
+        path = Path(args.resume)
+    elif own and (path := own / "weights" / "last.pt").is_file():
+        print(f"torchrun restart: resuming from {path}", flush=True)
+    else:
+        return None
+    return str(path), load(path)
 
 
 # ---------------------------------------------------------------- what a run saves

@@ -33,7 +33,7 @@ def box_corners(xyxy: np.ndarray) -> np.ndarray:
 
 
 def box_iou(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """IoU of xyxy boxes a (n, 4) and b (m, 4) -> (n, m), in the inputs' dtype (COCO's formula, no +1)."""
+    """IoU of xyxy boxes a (n, 4) and b (m, 4) -> (n, m) (COCO's formula, no +1)."""
     return torchvision.ops.box_iou(a, b)
 
 
@@ -49,7 +49,7 @@ def non_max_suppression(
     """Per-class NMS of decoded head output.
 
     pred (bs, N, 5+nc+nm): [cx, cy, w, h (input pixels), obj, cls probs..., mask coefs...].
-    Score = obj * cls. multi_label keeps every (box, class) pair above conf_thres, else the best class.
+    Score = obj * cls; multi_label keeps every (box, class) pair above conf_thres, else the best.
     The `max_nms` highest scores enter NMS; the `max_det` best survivors are kept.
     Returns per image (n, 6+nm) [x1, y1, x2, y2, conf, cls, coefs...] sorted by conf (descending).
     """
@@ -73,7 +73,7 @@ def non_max_suppression(
 
 
 def scale_boxes(boxes: torch.Tensor, ratio_pad, orig_hw: tuple[int, int]) -> torch.Tensor:
-    """xyxy (n, 4) in letterboxed input pixels -> xyxy original image pixels, clipped to the image (a copy)."""
+    """xyxy (n, 4) in letterboxed input pixels -> xyxy original pixels, clipped to the image."""
     (rh, rw), (pw, ph) = ratio_pad
     b = boxes[:, :4].clone()
     b[:, 0::2] = ((b[:, 0::2] - pw) / rw).clamp(0, orig_hw[1])
@@ -122,12 +122,12 @@ def scale_masks(masks: torch.Tensor, ratio_pad, orig_hw: tuple[int, int]) -> tor
 
 
 def polygons_to_masks(polygons: list, hw: tuple[int, int]) -> torch.Tensor:
-    """Rasterise polygons (each (k, 2) [x, y] pixels) into (m, h, w) bool masks, pixel-exact with COCO's.
+    """Rasterise polygons (each (k, 2) [x, y] pixels) into (m, h, w) bool masks, exactly as COCO.
 
-    COCO's convention (pycocotools' polygon rasteriser, reimplemented): vertices snapped to 1/5 pixel,
-    each edge walked in 1/5-pixel steps along its longer axis, and at every column centre the edge
-    toggles the pixels from the first row whose centre lies below it. PIL's ImageDraw would differ on
-    ~1% of the pixels (it rounds vertices to whole pixels and fills the outline).
+    pycocotools' polygon rasteriser, reimplemented: vertices snapped to 1/5 pixel, each edge walked
+    in 1/5-pixel steps along its longer axis, and at every column centre the edge toggles the
+    pixels from the first row whose centre lies below it. PIL's ImageDraw would differ on ~1% of
+    the pixels (it rounds vertices to whole pixels and fills the outline).
     """
     h, w = hw
     out = np.zeros((len(polygons), h, w), dtype=bool)
@@ -176,7 +176,7 @@ def mask_iou(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def rle_encode(mask: torch.Tensor | np.ndarray) -> dict:
-    """COCO compressed RLE of one (h, w) bool mask: {"size": [h, w], "counts": str} (column-major runs)."""
+    """COCO's compressed RLE of one (h, w) bool mask: {"size": [h, w], "counts": str}."""
     m = np.asarray(mask.cpu() if isinstance(mask, torch.Tensor) else mask, dtype=bool)
     flat = m.T.reshape(-1)
     edges = np.flatnonzero(flat[1:] != flat[:-1]) + 1
