@@ -171,7 +171,7 @@ def label_lines(result: dict, conf: bool) -> str:
         if masks is not None:  # an empty mask: its box's corners
             poly = result["polygons"][k]
             shape = (poly if len(poly) else ops.box_corners(boxes[k, :4])) / [w, h]
-        values = [boxes[k, 5], *shape.ravel(), *boxes[k, 4:5] * conf]
+        values = [boxes[k, 5], *shape.ravel(), *(boxes[k, 4:5] if conf else [])]
         lines.append(" ".join(f"{v:g}" for v in values) + "\n")
     return "".join(lines)
 
