@@ -37,18 +37,16 @@ def find_images(source: str) -> list[str]:
     """The image files of a source: an image, a folder (sorted, not recursive), a glob, or a .txt
     file listing paths (one a line, relative to the working directory)."""
     path = Path(source)
-    if glob.has_magic(source):
-        files = sorted(glob.glob(source, recursive=True))
-    elif path.is_dir():
-        files = sorted(str(p) for p in path.iterdir())
-    elif path.suffix == ".txt" and path.is_file():
+    if path.suffix == ".txt" and path.is_file():
         files = [line.strip() for line in path.read_text().splitlines() if line.strip()]
-    elif path.exists():
+    elif path.is_file():
         files = [source]
-    else:
-        raise DataError(f"--source {source} not found")
+    else:  # a folder's files, or a glob's
+        pattern = str(Path(glob.escape(source)) / "*") if path.is_dir() else source
+        files = sorted(glob.glob(pattern, recursive=True))
     if not (files := [f for f in files if f.rpartition(".")[2].lower() in IMG_FORMATS]):
-        raise DataError(f"--source {source}: no images ({', '.join(IMG_FORMATS)})")
+        why = f"no images ({', '.join(IMG_FORMATS)})" if path.exists() else "not found"
+        raise DataError(f"--source {source}: {why}")
     return files
 
 
@@ -94,13 +92,6 @@ def by_shape(samples, batch_size: int):
     yield from pending.values()
 
 
-def infer(model, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The forward pass: float (bs, 3, H, W) in [0, 1] -> decoded predictions (bs, N, 5+nc+nm),
-    prototypes (bs, nm, H/4, W/4) for segment or None."""
-    out = model(images)
-    return out if model.task == "segment" else (out, None)
-
-
 @torch.no_grad()
 def stream(model, images, imgsz=640, batch_size=1, workers=0, polygons=False, **nms):
     """Predict images (paths, PIL images or uint8 (h, w, 3) RGB arrays) with an eval-mode Model,
@@ -120,22 +111,22 @@ def stream(model, images, imgsz=640, batch_size=1, workers=0, polygons=False, **
         t0 = now(device)
         x = preprocess(torch.stack([s["input"] for s in group]), device)
         t1 = now(device)
-        preds, protos = infer(model, x)
+        out = model(x)  # the forward pass
+        preds, protos = out if nm else (out, [None] * len(x))
         t2 = now(device)
         dets = ops.non_max_suppression(preds.float(), nm=nm, **(PREDICT_NMS | nms))
         speed = np.array([t1 - t0, t2 - t1, now(device) - t2]) * 1000 / len(group)
-        for j, (s, det) in enumerate(zip(group, dets)):
-            out = to_original(s, det, protos[j] if nm else None, x.shape[2:], polygons)
-            yield out | dict(names=model.names, speed=speed)
+        for s, det, proto in zip(group, dets, protos):
+            res = {k: s[k] for k in ("index", "path", "image")} | dict(names=model.names)
+            yield res | dict(speed=speed) | to_original(det, proto, s, x.shape[2:], polygons)
 
 
-def to_original(sample: dict, det, protos, input_hw, polygons: bool) -> dict:
-    """An image's detections (n, 6+nm) on its input -> its result: boxes, masks (prototypes
-    (nm, H/4, W/4) or None) and polygons in original pixels (see stream)."""
+def to_original(det, protos, sample: dict, input_hw, polygons: bool) -> dict:
+    """An image's detections (n, 6+nm) on its input and prototypes (nm, H/4, W/4) or None ->
+    {"boxes", "masks"(, "polygons")} in original pixels (see stream)."""
     (h, w), ratio_pad = sample["image"].shape[:2], sample["ratio_pad"]
     boxes = ops.scale_boxes(det[:, :4], ratio_pad, (h, w)).round()  # whole pixels, as yolov5
-    boxes = torch.cat((boxes, det[:, 4:6]), 1).cpu()
-    out = {k: sample[k] for k in ("index", "path", "image")} | dict(boxes=boxes, masks=None)
+    out = dict(boxes=torch.cat((boxes, det[:, 4:6]), 1).cpu(), masks=None)
     if protos is not None:
         masks = ops.process_mask(protos, det[:, 6:], det[:, :4], input_hw)
         out["masks"] = ops.scale_masks(masks, ratio_pad, (h, w)).cpu()
@@ -179,13 +170,11 @@ def label_lines(result: dict, conf: bool) -> str:
 def json_entry(result: dict) -> dict:
     """An image for --save-json: file, size, and per detection class id and name, confidence, box
     xyxy (original pixels) and, for segment, the mask as COCO RLE."""
-    (h, w), names, dets = result["image"].shape[:2], result["names"], []
+    dets, masks, names = [], result["masks"], result["names"]
     for k, (*box, conf, c) in enumerate(result["boxes"].tolist()):
-        det = dict(class_id=int(c), name=names[int(c)], confidence=round(conf, 5))
-        det["box"] = [round(v, 2) for v in box]
-        if result["masks"] is not None:
-            det["mask"] = ops.rle_encode(result["masks"][k])
-        dets.append(det)
+        det = dict(class_id=int(c), name=names[int(c)], confidence=round(conf, 5), box=box)
+        dets.append(det | ({"mask": ops.rle_encode(masks[k])} if masks is not None else {}))
+    h, w = result["image"].shape[:2]
     return dict(file=result["path"], width=w, height=h, detections=dets)
 
 
@@ -205,7 +194,7 @@ def save(result: dict, save_dir: Path, args) -> None:
 
 
 def progress(results, n: int, show: bool, every_s: float = 10.0):
-    """Yield results; when show, print images/s and the ETA every every_s seconds."""
+    """Yield the n results; when show, print images/s and the ETA every every_s seconds."""
     t0 = last = time.time()
     for i, r in enumerate(results, 1):
         yield r
@@ -257,11 +246,10 @@ def main(args: argparse.Namespace) -> dict:
         (save_dir / "labels" if args.save_txt else save_dir).mkdir(parents=True, exist_ok=True)
         nms = dict(conf_thres=args.conf_thres, iou_thres=args.iou_thres, max_det=args.max_det)
         nms |= dict(classes=args.classes, agnostic=args.agnostic_nms)
-        options = dict(imgsz=args.imgsz, batch_size=args.batch_size, workers=args.workers) | nms
-        options["polygons"] = args.save_txt
         mine = files[info.rank :: info.world_size]
+        options = (args.imgsz, args.batch_size, args.workers, args.save_txt)
         seen, skipped, n_det, speed, entries = 0, 0, 0, np.zeros(3), []
-        for r in progress(stream(model, mine, **options), len(mine), info.is_main):
+        for r in progress(stream(model, mine, *options, **nms), len(mine), info.is_main):
             if "error" in r:
                 print(f"WARNING {r['path']}: unreadable, skipped ({r['error']})", flush=True)
                 skipped += 1

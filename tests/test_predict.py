@@ -119,15 +119,21 @@ def test_sources(tmp_path, monkeypatch):
     """An image, a folder (sorted, not recursive, images only), a glob, a .txt list relative to
     the working directory; nothing found: one line."""
     (tmp_path / "sub").mkdir()
-    for name in ("b.jpg", "a.PNG", "c.txt", "sub/d.jpg"):
-        Image.new("RGB", (8, 8)).save(tmp_path / name, "PNG") if name != "c.txt" else None
+    (tmp_path / "no [images]").mkdir()
+    for name in ("b.jpg", "a.PNG", "c.txt", "sub/d.jpg", "no [images]/e.txt"):
+        Image.new("RGB", (8, 8)).save(tmp_path / name, "PNG") if "txt" not in name else None
     (tmp_path / "c.txt").write_text("a.PNG\n\nsub/d.jpg\n")
+    (tmp_path / "no [images]" / "e.txt").write_text("")
     monkeypatch.chdir(tmp_path)
     assert predict.find_images("b.jpg") == ["b.jpg"]
     assert predict.find_images(".") == ["a.PNG", "b.jpg"]
     assert predict.find_images("**/*.jpg") == ["b.jpg", "sub/d.jpg"]
     assert predict.find_images("c.txt") == ["a.PNG", "sub/d.jpg"]
-    for bad, why in [("nope", "--source nope not found"), ("sub/*.png", "no images")]:
+    for bad, why in [
+        ("nope", "nope: not found"),
+        ("sub/*.png", "not found"),
+        ("no [images]", "no images"),
+    ]:
         with pytest.raises(ValueError, match=why):
             predict.find_images(bad)
 
@@ -181,6 +187,7 @@ def test_output_files(fixtures_dir, tmp_path):
         save_json=True,
         save_crop=True,
         classes=[0, 2],
+        workers=2,
     )
     entries = json.loads((out / "predictions.json").read_text())
     assert [e["file"] for e in entries] == [

@@ -180,25 +180,22 @@ def polygons_to_masks(polygons: list, hw: tuple[int, int]) -> torch.Tensor:
 NEIGHBOURS = ((0, 1), (1, 1), (1, 0), (1, -1), (0, -1), (-1, -1), (-1, 0), (-1, 1))
 
 
-def trace_border(m: np.ndarray, y: int, x: int) -> tuple[np.ndarray, np.ndarray]:
+def trace_border(m: np.ndarray, start: int) -> tuple[np.ndarray, np.ndarray]:
     """Moore-neighbour tracing of the outer border of the 8-connected component whose first pixel
-    in raster order is (y, x), in a bool (h, w) mask with a background frame -> (border pixels
-    (k, 2) [x, y] clockwise, the direction index of the step leaving each)."""
-    points, dirs, d, first = [], [], 4, None  # the search starts at the west, known background
+    in raster order is `start` (a flat index) in a bool (h, w) mask with a background frame ->
+    (border pixels (k, 2) [x, y] clockwise, the direction index of the step leaving each)."""
+    flat, w = m.ravel(), m.shape[1]
+    steps = [dy * w + dx for dy, dx in NEIGHBOURS]
+    p, d, points, dirs = start, 4, [], []  # the search starts at the west, known background
     while True:
-        for k in range(8):
-            nd = (d + k) % 8
-            if m[y + NEIGHBOURS[nd][0], x + NEIGHBOURS[nd][1]]:
-                break
-        else:
-            return np.array([[x, y]]), np.array([0])  # an isolated pixel
-        if nd == first and (x, y) == points[0]:
-            return np.array(points), np.array(dirs)  # leaving the start as at first: closed
-        first = nd if first is None else first
-        points.append((x, y))
+        nd = next(((d + k) % 8 for k in range(8) if flat[p + steps[(d + k) % 8]]), None)
+        if nd is None or (dirs and nd == dirs[0] and p == start):  # leaving the start again
+            break
+        points.append(p)
         dirs.append(nd)
-        y, x = y + NEIGHBOURS[nd][0], x + NEIGHBOURS[nd][1]
-        d = (nd + 6 - nd % 2) % 8  # the background neighbour examined last, seen from here
+        p, d = p + steps[nd], (nd + 6 - nd % 2) % 8  # from the last background neighbour seen
+    points = np.array(points or [start])
+    return np.stack([points % w, points // w], 1), np.array(dirs or [0])
 
 
 def mask_to_polygon(mask: torch.Tensor | np.ndarray) -> np.ndarray:
@@ -209,13 +206,12 @@ def mask_to_polygon(mask: torch.Tensor | np.ndarray) -> np.ndarray:
     m = np.pad(np.asarray(mask.cpu() if isinstance(mask, torch.Tensor) else mask, dtype=bool), 1)
     best = np.zeros((0, 2), np.float32)
     while m.any():
-        y, x = divmod(int(m.argmax()), m.shape[1])
-        border, dirs = trace_border(m, y, x)
+        border, dirs = trace_border(m, int(m.argmax()))
         inside = polygons_to_masks([border + 0.5], m.shape)[0].numpy()  # pixel centres inside
         inside[border[:, 1], border[:, 0]] = True
-        corners = (dirs != np.roll(dirs, 1)) | (len(dirs) == 1)
-        if corners.sum() >= len(best):  # ties: the lower one, as OpenCV lists them bottom up
-            best = (border[corners] - 1).astype(np.float32)
+        corners = border[(dirs != np.roll(dirs, 1)) | (len(dirs) == 1)]
+        if len(corners) >= len(best):  # ties: the lower one, as OpenCV lists them bottom up
+            best = (corners - 1).astype(np.float32)
         m &= ~inside  # the component, its holes and all inside them
     return best
 
