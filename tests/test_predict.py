@@ -300,8 +300,12 @@ def test_unreadable_images_are_named_skipped_and_counted(fixtures_dir, tmp_path,
 
 
 def test_run_takes_the_options_as_keywords():
-    with pytest.raises(TypeError, match="unknown option.*'conf'"):
-        predict.run(weights="w.pt", source="s", conf=0.5)
+    import train
+    import val
+
+    for entry in (train, val, predict):
+        with pytest.raises(TypeError, match="unknown option.*'conf'"):
+            entry.run(weights="w.pt", source="s", conf=0.5)
     with pytest.raises(TypeError, match="missing option.*'source'"):
         predict.run(weights="w.pt")
 

@@ -71,9 +71,9 @@ def draw_batch(
 def draw_detections(
     image, boxes, cls: list, conf=None, names=None, masks=None, width=1, labels=True
 ):
-    """uint8 (3, H, W) image -> a copy with bool masks (n, H, W) blended in (alpha 0.5), boxes
-    (n, 4) xyxy pixels drawn in the colours of classes cls, labelled "name conf" ("name" if conf is
-    None, nothing unless labels)."""
+    """uint8 (3, H, W) image with bool masks (n, H, W) blended in (alpha 0.5) and boxes (n, 4)
+    xyxy pixels drawn in the colours of classes cls, labelled "name conf" ("name" if conf is None,
+    nothing unless labels); a new tensor, or the image itself when cls is empty."""
     if not cls:
         return image
     colors = [PALETTE[c % len(PALETTE)] for c in cls]
