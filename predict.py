@@ -19,12 +19,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from PIL import Image, ImageOps
 from torch.utils.data import DataLoader, Dataset
 
 from val import cli, now, parse_kwargs, preprocess
 from yolo_min import dist, ops
-from yolo_min.augment import letterbox, render
 from yolo_min.checkpoint import load_model, next_run_dir
 from yolo_min.labels import IMG_FORMATS, DataError
 from yolo_min.models import make_divisible
@@ -50,6 +50,22 @@ def find_images(source: str) -> list[str]:
     return files
 
 
+def letterbox(image: torch.Tensor, imgsz: int, stride: int) -> tuple[torch.Tensor, tuple]:
+    """uint8 (h, w, 3) -> (uint8 (3, H, W) network input, ratio_pad) as yolov5's inference does:
+    resized to long side imgsz in whole pixels (bilinear without antialiasing, OpenCV's
+    INTER_LINEAR), centred on the smallest stride-multiple canvas of 114 grey. ratio_pad maps
+    back as yolov5's scale_boxes: ((r, r), ((W - w * r) / 2, (H - h * r) / 2))."""
+    (h0, w0), x = image.shape[:2], image.permute(2, 0, 1)
+    r = imgsz / max(h0, w0)
+    h, w = round(h0 * r), round(w0 * r)
+    H, W = make_divisible(h, stride), make_divisible(w, stride)
+    if (h, w) != (h0, w0):
+        x = F.interpolate(x[None], size=(h, w), mode="bilinear", antialias=False)[0]
+    top, left = round((H - h) / 2 - 0.1), round((W - w) / 2 - 0.1)
+    canvas = F.pad(x, (left, W - w - left, top, H - h - top), value=114)
+    return canvas, ((r, r), ((W - w0 * r) / 2, (H - h0 * r) / 2))
+
+
 class Images(Dataset):
     """Images (paths, PIL images or uint8 (h, w, 3) RGB arrays) letterboxed for the network. Sample
     k: {"index": k, "path" (None in memory), "image" uint8 (h, w, 3) RGB, EXIF orientation applied,
@@ -72,10 +88,7 @@ class Images(Dataset):
                 raise ValueError(f"an array of {image.dtype} {tuple(image.shape)}, not uint8 RGB")
         except Exception as e:  # missing, unreadable, not an image, truncated, ...
             return dict(index=k, path=path, error=f"{type(e).__name__}: {e}")
-        piece, out_wh = letterbox(0, image.shape[:2], self.imgsz, stride=self.stride)
-        # no antialiasing, as yolov5's inference letterbox (OpenCV's INTER_LINEAR) resizes
-        canvas, _ = render([piece], np.eye(3), out_wh, lambda i, s: (image, (1.0, 1.0)), aa=False)
-        ratio_pad = ((piece.r, piece.r), (piece.ox, piece.oy))
+        canvas, ratio_pad = letterbox(image, self.imgsz, self.stride)
         return dict(index=k, path=path, image=image, input=canvas, ratio_pad=ratio_pad)
 
 

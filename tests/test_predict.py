@@ -15,7 +15,6 @@ from PIL import Image
 
 import predict
 from yolo_min import ops
-from yolo_min.augment import letterbox
 from yolo_min.checkpoint import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -103,16 +102,23 @@ def test_agrees_with_yolov5(fixtures_dir, tmp_path, task):
     assert (task == "segment") == (len(res["mask_ious"]) > 0.9 * res["ref"])
 
 
-def test_letterbox_is_the_smallest_stride_rectangle():
-    """(h, w), imgsz -> canvas (w, h), scale, left and top padding: yolov5 letterbox(auto=True)."""
-    for hw, imgsz, want in [
-        ((128, 128), 160, (160, 160, 1.25, 0, 0)),
-        ((80, 128), 160, (160, 128, 1.25, 0, 14)),
-        ((256, 128), 160, (96, 160, 0.625, 8, 0)),
-        ((427, 640), 640, (640, 448, 1.0, 0, 10)),
-    ]:
-        piece, (w, h) = letterbox(0, hw, imgsz, stride=32)
-        assert (w, h, piece.r, piece.ox, piece.oy) == want, hw
+def test_letterbox_as_yolov5():
+    """The smallest stride-multiple canvas; the image resized to whole pixels (Python rounding,
+    106.5 -> 106), centred as yolov5 splits odd padding, by bilinear interpolation without
+    antialiasing (OpenCV's INTER_LINEAR); ratio_pad as yolov5's scale_boxes maps back."""
+    canvas, ratio_pad = predict.letterbox(torch.zeros(426, 640, 3, dtype=torch.uint8), 160, 32)
+    assert canvas.shape == (3, 128, 160) and ratio_pad == ((0.25, 0.25), (0.0, 10.75))
+    assert (canvas[:, 11:117] == 0).all() and (canvas[:, :11] == 114).all()
+    assert (canvas[:, 117:] == 114).all()
+    row = torch.tensor([0, 100, 200, 100], dtype=torch.uint8)[None, :, None].expand(2, 4, 3)
+    up, _ = predict.letterbox(row, 8, 4)  # 2x: source x = (x + 0.5) / 2 - 0.5
+    assert up.shape == (3, 4, 8) and up[0, 0].tolist() == [0, 25, 75, 125, 175, 175, 125, 100]
+    stripes = torch.tensor([0, 255, 255, 255] * 8, dtype=torch.uint8)[None, :, None]
+    down, _ = predict.letterbox(stripes.expand(32, 32, 3), 8, 4)  # source x = 4 x + 1.5
+    assert (down == 255).all()  # only pixels 4x + 1 and 4x + 2: no antialiasing
+    for hw, want in [((80, 128), (128, 160)), ((128, 256), (96, 160)), ((256, 128), (160, 96))]:
+        canvas, _ = predict.letterbox(torch.zeros(*hw, 3, dtype=torch.uint8), 160, 32)
+        assert canvas.shape[1:] == want, hw
 
 
 def test_sources(tmp_path, monkeypatch):

@@ -52,25 +52,13 @@ def affine_matrix(in_wh: tuple, out_wh: tuple, hyp: dict) -> tuple[np.ndarray, f
     return T @ S @ R @ P @ C, s
 
 
-def letterbox(index: int, hw0: tuple, imgsz: int, out_wh: tuple | None = None, stride: int = 32):
-    """Image `index` of original size hw0 (h, w) scaled to long side imgsz (or less, to fit out_wh
-    (w, h)) and centred on out_wh -> (its Piece, out_wh). out_wh None: the smallest stride-multiple
-    rectangle around it (yolov5's inference shape). The grey padding is split as yolov5 does."""
-    h0, w0 = hw0
-    r = imgsz / max(h0, w0)
-    W, H = out_wh or (math.ceil(round(s * r) / stride) * stride for s in (w0, h0))
-    r = min(r, H / h0, W / w0)
-    ox, oy = round((W - w0 * r) / 2 - 0.1), round((H - h0 * r) / 2 - 0.1)
-    return Piece(index, r, ox, oy, (ox, oy, ox + w0 * r, oy + h0 * r)), (W, H)
-
-
 Loader = Callable[[int, float], tuple]  # (index, scale) -> (uint8 (h,w,3), (sx, sy) vs original)
 
 
-def _paste(out: torch.Tensor, src: torch.Tensor, ax, bx, ay, by, rect: tuple, aa=True) -> tuple:
+def _paste(out: torch.Tensor, src: torch.Tensor, ax, bx, ay, by, rect: tuple) -> tuple:
     """Resample src (h,w,3) by x' = ax * x + bx, y' = ay * y + by into out[:, Y0:Y1, X0:X1] -> (dx,
     dy): the drawn pixels are the exact mapping shifted by (dx, dy), |d| <= 0.5 px. Only the needed
-    crop is resized (torch's uint8 bilinear, exact scale; antialiased when shrinking if aa)."""
+    crop is resized (torch's uint8 antialiased bilinear, exact scale)."""
     X0, Y0, X1, Y1 = rect
     hs, ws = src.shape[:2]
     c0, c1 = max(math.floor((X0 - bx) / ax) - 1, 0), min(math.ceil((X1 - bx) / ax) + 1, ws)
@@ -79,7 +67,7 @@ def _paste(out: torch.Tensor, src: torch.Tensor, ax, bx, ay, by, rect: tuple, aa
         return 0.0, 0.0
     y = src[r0:r1, c0:c1].permute(2, 0, 1)  # (3,h,w) channels-last view
     if ax != 1 or ay != 1:
-        kw = dict(mode="bilinear", antialias=aa, recompute_scale_factor=False)
+        kw = dict(mode="bilinear", antialias=True, recompute_scale_factor=False)
         y = F.interpolate(y[None], scale_factor=(ay, ax), **kw)[0]
     px, py = ax * c0 + bx, ay * r0 + by  # exact output position of the crop's corner
     P, Q = round(px), round(py)
@@ -89,10 +77,9 @@ def _paste(out: torch.Tensor, src: torch.Tensor, ax, bx, ay, by, rect: tuple, aa
     return P - px, Q - py
 
 
-def render(pieces: list[Piece], M: np.ndarray, out_wh: tuple, load: Loader, aa=True) -> tuple:
+def render(pieces: list[Piece], M: np.ndarray, out_wh: tuple, load: Loader) -> tuple:
     """Draw the pieces through canvas->output matrix M onto a 114-grey uint8 (3,H,W) image of size
-    out_wh -> (image, per piece the (dx, dy) canvas-pixel shift of its drawn pixels). aa=False:
-    no antialiasing when shrinking (OpenCV's INTER_LINEAR, what yolov5's inference letterbox uses).
+    out_wh -> (image, per piece the (dx, dy) canvas-pixel shift of its drawn pixels).
     Scale/translate-only M: each source is decoded at reduced scale where possible (never below its
     letterbox size r, like yolov5 and cache='ram') and resampled straight into its output rectangle.
     Otherwise the canvas is drawn first, then warped once by PIL (AFFINE or PERSPECTIVE)."""
@@ -119,8 +106,7 @@ def render(pieces: list[Piece], M: np.ndarray, out_wh: tuple, load: Loader, aa=T
             continue
         ax, ay = sx * p.r, sy * p.r  # original pixels -> output pixels
         im, (kx, ky) = load(p.index, min(max(ax, ay), p.r))
-        rect = (X0, Y0, X1, Y1)
-        dx, dy = _paste(out, im, ax / kx, sx * p.ox + bx, ay / ky, sy * p.oy + by, rect, aa)
+        dx, dy = _paste(out, im, ax / kx, sx * p.ox + bx, ay / ky, sy * p.oy + by, (X0, Y0, X1, Y1))
         shifts.append((dx / sx, dy / sy))
     return out, shifts
 

@@ -20,7 +20,7 @@ from PIL import Image, ImageOps
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from . import shapes
-from .augment import Piece, affine_matrix, hsv_jitter, letterbox, overlap_mask, place_labels, render
+from .augment import Piece, affine_matrix, hsv_jitter, overlap_mask, place_labels, render
 from .labels import DataError, list_images, load_labels
 from .ops import box_corners, xywh2xyxy, xyxy2xywh
 
@@ -171,9 +171,11 @@ class YOLODataset(Dataset):
         2s x 2s around a random centre, or image i letterboxed into its input shape."""
         s = self.imgsz
         if not mosaic:
+            h0, w0 = self.labels[i]["shape"]
             H, W = map(int, self.batch_shapes[i // self.batch_size]) if self.rect else (s, s)
-            piece, out = letterbox(i, self.labels[i]["shape"], s, (W, H))
-            return [piece], out
+            r = min(s / max(h0, w0), H / h0, W / w0)
+            ox, oy = round((W - w0 * r) / 2 - 0.1), round((H - h0 * r) / 2 - 0.1)
+            return [Piece(i, r, ox, oy, (ox, oy, ox + w0 * r, oy + h0 * r))], (W, H)
         xc, yc = random.uniform(0.5 * s, 1.5 * s), random.uniform(0.5 * s, 1.5 * s)
         pieces = []
         # top-left, top-right, bottom-left, bottom-right of the centre
