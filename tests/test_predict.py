@@ -56,9 +56,7 @@ def agreement(ours: Path, ref: Path, images: Path) -> dict:
                 if c2 != c or abs(conf2 - conf) > 0.03:
                     continue
                 if poly is None:
-                    scores[k] = ops.box_iou(
-                        torch.tensor(np.stack([box, box2]))[:1], torch.tensor(box2[None])
-                    ).item()
+                    scores[k] = ops.box_iou(*torch.tensor(np.stack([box, box2]))[:, None]).item()
                 elif box is None:
                     scores[k] = 1.0
                 else:
@@ -79,25 +77,15 @@ def run_predict(tmp_path, name, **kw) -> Path:
 
 @pytest.mark.parametrize("task", ["detect", "segment"])
 def test_agrees_with_yolov5(fixtures_dir, tmp_path, task):
-    """The fixtures' commands.txt options; >= 95% of yolov5's detections matched, <= 5% extra."""
-    fx = fixtures_dir / "predict"
-    weights, ref = (
-        (fx / "det.pt", "detect_labels") if task == "detect" else (fx / "seg.pt", "segment_labels")
-    )
-    out = run_predict(
-        tmp_path,
-        task,
-        weights=str(weights),
-        source=str(fx / "images"),
-        imgsz=160,
-        conf_thres=0.25,
-        iou_thres=0.45,
-        save_txt=True,
-        save_conf=True,
-        nosave=True,
-    )
+    """commands.txt's options; >= 95% of yolov5's detections matched, <= 5% extra. Another folder
+    laid out as fixtures/yolov5/predict (its own images and labels) can be named in the
+    environment variable YOLO_MIN_PREDICT_FIXTURES."""
+    fx = Path(os.environ.get("YOLO_MIN_PREDICT_FIXTURES", fixtures_dir / "predict"))
+    weights, ref = ("det.pt", "detect_labels") if task == "detect" else ("seg.pt", "segment_labels")
+    opts = dict(imgsz=160, conf_thres=0.25, iou_thres=0.45, save_txt=True, save_conf=True)
+    out = run_predict(tmp_path, task, weights=str(fx / weights), source=str(fx / "images"), **opts)
     res = agreement(out / "labels", fx / ref, fx / "images")
-    assert res["ref"] > 150 and res["matched"] >= 0.95 * res["ref"], res
+    assert res["ref"] > 0 and res["matched"] >= 0.95 * res["ref"], res
     assert res["ours"] - res["matched"] <= 0.05 * res["ref"], res
     assert (task == "segment") == (len(res["mask_ious"]) > 0.9 * res["ref"])
 
@@ -135,18 +123,15 @@ def test_sources(tmp_path, monkeypatch):
     assert predict.find_images(".") == ["a.PNG", "b.jpg"]
     assert predict.find_images("**/*.jpg") == ["b.jpg", "sub/d.jpg"]
     assert predict.find_images("c.txt") == ["a.PNG", "sub/d.jpg"]
-    for bad, why in [
-        ("nope", "nope: not found"),
-        ("sub/*.png", "not found"),
-        ("no [images]", "no images"),
-    ]:
+    bad = {"nope": "nope: not found", "sub/*.png": "not found", "no [images]": "no images"}
+    for source, why in bad.items():
         with pytest.raises(ValueError, match=why):
-            predict.find_images(bad)
+            predict.find_images(source)
 
 
 def test_api_on_paths_pil_and_arrays(fixtures_dir, tmp_path):
-    """The same pixels as a path, a PIL image, an array and an EXIF-rotated JPEG give the same
-    detections; batching by shape changes nothing; draw() pictures the original size."""
+    """The same pixels as a path, a PIL image, an array and an EXIF-rotated file give the same
+    detections; batching by shape changes only float rounding; draw() pictures the original."""
     model = load_model(fixtures_dir / "predict" / "seg.pt")
     path = fixtures_dir / "predict" / "images" / "tall00.png"
     pil = Image.open(path).convert("RGB")
@@ -166,10 +151,8 @@ def test_api_on_paths_pil_and_arrays(fixtures_dir, tmp_path):
     assert torch.allclose(res[4]["boxes"], a["boxes"], atol=1e-4)  # batch 1, not 3: float rounding
     one = predict.predict(model, images[:4], imgsz=160)[3]  # alone in its batch
     assert torch.allclose(one["boxes"], res[3]["boxes"], atol=1e-4)
-    assert predict.draw(a).size == (128, 256) and predict.draw(res[3], labels=False).size == (
-        128,
-        80,
-    )
+    assert predict.draw(a).size == (128, 256)
+    assert predict.draw(res[3], labels=False, line_width=1).size == (128, 80)
     bad = predict.predict(model, [np.zeros((8, 8), np.uint8)])[0]
     assert "not uint8 RGB" in bad["error"]
 
@@ -183,22 +166,13 @@ def test_output_files(fixtures_dir, tmp_path):
     for name in ("sq00.png", "sq01.jpg", "wide00.png"):
         shutil.copy(fx / "images" / name, src / name)
     Image.new("RGB", (64, 64), (40, 40, 40)).save(src / "blank.png")
+    opts = dict(imgsz=160, save_txt=True, save_json=True, save_crop=True, workers=2)
     out = run_predict(
-        tmp_path,
-        "seg",
-        weights=str(fx / "seg.pt"),
-        source=str(src),
-        imgsz=160,
-        save_txt=True,
-        save_json=True,
-        save_crop=True,
-        classes=[0, 2],
-        workers=2,
+        tmp_path, "seg", weights=str(fx / "seg.pt"), source=str(src), **opts | {"classes": [0, 2]}
     )
     entries = json.loads((out / "predictions.json").read_text())
-    assert [e["file"] for e in entries] == [
-        str(src / n) for n in ("blank.png", "sq00.png", "sq01.jpg", "wide00.png")
-    ]
+    files = [str(src / n) for n in ("blank.png", "sq00.png", "sq01.jpg", "wide00.png")]
+    assert [e["file"] for e in entries] == files
     assert entries[0]["detections"] == [] and not (out / "labels" / "blank.txt").exists()
     crops = 0
     for e in entries[1:]:
@@ -223,17 +197,10 @@ def test_output_files(fixtures_dir, tmp_path):
 
 def test_detect_txt_and_json_agree(fixtures_dir, tmp_path):
     fx = fixtures_dir / "predict"
+    source = str(fx / "images" / "wide01.png")
+    opts = dict(imgsz=160, save_txt=True, save_conf=True, save_json=True, save_crop=True)
     out = run_predict(
-        tmp_path,
-        "det",
-        weights=str(fx / "det.pt"),
-        source=str(fx / "images" / "wide01.png"),
-        imgsz=160,
-        save_txt=True,
-        save_conf=True,
-        save_json=True,
-        save_crop=True,
-        nosave=True,
+        tmp_path, "det", weights=str(fx / "det.pt"), source=source, **opts, nosave=True
     )
     (entry,) = json.loads((out / "predictions.json").read_text())
     lines = (out / "labels" / "wide01.txt").read_text().splitlines()[::-1]
@@ -248,14 +215,8 @@ def test_detect_txt_and_json_agree(fixtures_dir, tmp_path):
 
 
 def run_cli(*args):
-    return subprocess.run(
-        [sys.executable, str(ROOT / "predict.py"), *args],
-        cwd=ROOT,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    cmd = [sys.executable, str(ROOT / "predict.py"), *args]
+    return subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
 
 
 @pytest.mark.parametrize("case", ["no source", "empty folder", "not a checkpoint", "bad class"])
@@ -263,11 +224,8 @@ def test_bad_input_is_one_line_and_exit_2(fixtures_dir, tmp_path, monkeypatch, c
     """What `python predict.py ...` runs (predict.cli), in this process."""
     (tmp_path / "empty").mkdir()
     (tmp_path / "notes.pt").write_text("not a checkpoint")
-    weights, source, extra = (
-        fixtures_dir / "predict" / "det.pt",
-        fixtures_dir / "predict" / "images",
-        [],
-    )
+    fx, extra = fixtures_dir / "predict", []
+    weights, source = fx / "det.pt", fx / "images"
     if case == "no source":
         source, why = tmp_path / "missing", "not found"
     elif case == "empty folder":
@@ -291,14 +249,8 @@ def test_unreadable_images_are_named_skipped_and_counted(fixtures_dir, tmp_path,
     shutil.copy(fixtures_dir / "predict" / "images" / "sq00.png", src / "good.png")
     (src / "broken.jpg").write_bytes(b"\xff\xd8\xff not really a JPEG")
     (src / "list.txt").write_text(f"{src / 'good.png'}\n{src / 'broken.jpg'}\n{src / 'gone.png'}\n")
-    out = run_predict(
-        tmp_path,
-        "exp",
-        weights=str(fixtures_dir / "predict" / "det.pt"),
-        source=str(src / "list.txt"),
-        imgsz=160,
-        save_txt=True,
-    )
+    weights, source = str(fixtures_dir / "predict" / "det.pt"), str(src / "list.txt")
+    out = run_predict(tmp_path, "exp", weights=weights, source=source, imgsz=160, save_txt=True)
     text = capsys.readouterr().out
     assert "broken.jpg: unreadable" in text and "gone.png: unreadable" in text
     assert "1 images, 2 unreadable ones skipped" in text and "Speed: " in text
@@ -319,38 +271,22 @@ def test_run_takes_the_options_as_keywords():
 @pytest.mark.slow
 def test_two_ranks_write_what_one_process_writes(fixtures_dir, tmp_path):
     fx = fixtures_dir / "predict"
-    args = [
-        "--weights",
-        str(fx / "seg.pt"),
-        "--source",
-        str(fx / "images"),
-        "--imgsz",
-        "160",
-        "--save-txt",
-        "--save-conf",
-        "--save-json",
-        "--nosave",
-        "--device",
-        "cpu",
-        "--project",
-        str(tmp_path),
-    ]
-    one = run_cli(*args, "--name", "one")
-    two = subprocess.run(
-        [*TORCHRUN, str(ROOT / "predict.py"), *args, "--name", "two"],
-        cwd=ROOT,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    images = sorted((fx / "images").iterdir())[::4]  # 10: all kinds of shapes
+    (tmp_path / "list.txt").write_text("".join(f"{p}\n" for p in images))
+    args = (
+        f"--weights {fx / 'seg.pt'} --source {tmp_path / 'list.txt'} --project {tmp_path}".split()
     )
+    args += "--imgsz 160 --save-txt --save-conf --save-json --nosave --device cpu".split()
+    one = run_cli(*args, "--name", "one")
+    cmd = [*TORCHRUN, str(ROOT / "predict.py"), *args, "--name", "two"]
+    two = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert one.returncode == 0 and two.returncode == 0, two.stderr[-2000:]
-    assert two.stdout.count("Speed: ") == 1 and "40 images" in two.stdout
+    assert two.stdout.count("Speed: ") == 1 and "10 images" in two.stdout
     a, b = tmp_path / "one", tmp_path / "two"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["one", "two"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["list.txt", "one", "two"]
     assert (a / "predictions.json").read_text() == (b / "predictions.json").read_text()
     names = sorted(p.name for p in (a / "labels").iterdir())
-    assert names == sorted(p.name for p in (b / "labels").iterdir()) and len(names) == 40
+    assert names == sorted(p.name for p in (b / "labels").iterdir()) and len(names) >= 8
     assert all((a / "labels" / n).read_text() == (b / "labels" / n).read_text() for n in names)
 
 
@@ -359,33 +295,20 @@ def test_train_run_under_torchrun(tmp_path, tiny):
     """A script calling train.run(...) launched by torchrun trains data-parallel: one run folder,
     written by rank 0, with a results.csv row; every rank gets the result."""
     script = tmp_path / "script.py"
-    kwargs = dict(
-        data=tiny[1],
-        imgsz=64,
-        batch_size=8,
-        workers=0,
-        epochs=1,
-        noautoanchor=True,
-        log_every=2,
-        project=str(tmp_path / "runs"),
-    )
+    kwargs = dict(data=tiny[1], imgsz=64, batch_size=8, workers=0, epochs=1, noautoanchor=True)
+    kwargs |= dict(log_every=2, project=str(tmp_path / "runs"))
     script.write_text(
         f"import os, sys\nsys.path.insert(0, {str(ROOT)!r})\nimport train\n"
         f"res = train.run(**{kwargs!r})\n"
         "print('RESULT', os.environ['RANK'], res['epochs'], res['save_dir'], flush=True)\n"
     )
-    r = subprocess.run(
-        [*TORCHRUN, str(script)], cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300
-    )
+    cmd = [*TORCHRUN, str(script)]
+    r = subprocess.run(cmd, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     run_dir = tmp_path / "runs" / "exp"
-    assert (
-        sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["exp"] and "2 rank(s)" in r.stdout
-    )
-    assert sorted(ln.split()[1] for ln in r.stdout.splitlines() if ln.startswith("RESULT")) == [
-        "0",
-        "1",
-    ]
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["exp"]
+    ranks = sorted(ln.split()[1] for ln in r.stdout.splitlines() if ln.startswith("RESULT"))
+    assert ranks == ["0", "1"] and "2 rank(s)" in r.stdout
     assert f"RESULT 0 1 {run_dir}" in r.stdout
     assert len((run_dir / "results.csv").read_text().splitlines()) == 2
     assert (run_dir / "weights" / "last.pt").is_file()
