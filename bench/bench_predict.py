@@ -7,9 +7,10 @@ process (batch 1, then --batch-size B --workers N), timed from launch to exit: i
 decoding, letterbox, inference, NMS, drawing and saving the 128 annotated images (as yolov5's
 detect.py does by default); also the child's CPU seconds and its own Speed line. Model-only: the
 fused model's forward on the same letterboxed inputs in this process, batch 1 and batched, measured
-between the end-to-end runs. Weights: the fixture det.pt (YOLOv5n, nc 3; any YOLOv5n is as fast).
-Reference (yolov5's detect.py, same images and machine, batch 1, OpenCV, fp32): 11.1 s wall at 640,
-40.9 ms inference per image. Asserts nothing; on a busy machine wall times grow, CPU times less.
+between the end-to-end runs (and its CPU ms per image). Weights: the fixture det.pt (YOLOv5n, nc 3;
+any YOLOv5n is as fast). Reference (yolov5's detect.py, same images and machine, batch 1, OpenCV,
+fp32): 11.1 s wall at 640, 40.9 ms inference per image. Asserts nothing; on a busy machine wall
+times grow, CPU times less (run it with OMP_NUM_THREADS=1 there: 2 threads on a shared core spin).
 """
 
 import argparse
@@ -52,16 +53,17 @@ def end_to_end(weights: str, source: str, imgsz: int, batch: int, workers: int) 
 
 
 @torch.inference_mode()
-def model_only(model, inputs: dict, batch: int) -> float:
-    """Images/s of the model's forward over the letterboxed inputs (grouped by shape), after a
-    warm-up batch of each shape."""
+def model_only(model, inputs: dict, batch: int) -> tuple[float, float]:
+    """(images/s, CPU ms per image) of the model's forward over the letterboxed inputs (grouped
+    by shape), after a warm-up batch of each shape."""
     groups = [v[i : i + batch] for v in inputs.values() for i in range(0, len(v), batch)]
     for v in inputs.values():
         model(torch.stack(v[:batch]).float() / 255)
-    t = time.perf_counter()
+    t, cpu = time.perf_counter(), time.process_time()
     for g in groups:
         model(torch.stack(g).float() / 255)
-    return sum(map(len, groups)) / (time.perf_counter() - t)
+    n = sum(map(len, groups))
+    return n / (time.perf_counter() - t), (time.process_time() - cpu) * 1000 / n
 
 
 def main():
@@ -79,7 +81,7 @@ def main():
     head = (
         f"{'imgsz':>5} {'batch':>5} {'wall s':>7} {'img/s':>6} {'cpu s':>6} {'pre/inf/nms ms':>16}"
     )
-    print(f"{head} {'model-only img/s':>16} {'vs detect.py wall':>18}")
+    print(f"{head} {'model-only img/s (cpu ms/img)':>30} {'vs detect.py wall':>18}")
     for imgsz in args.sizes:
         inputs = {}
         for s in predict.Images(files, imgsz, 32):
@@ -93,12 +95,13 @@ def main():
                         end_to_end(args.weights, args.source, imgsz, batch, workers),
                     )
                 )
-            rate = max(r[0] for r in runs)
+            rate, cpu_ms = max(r[0] for r in runs)
             e2e = min((r[1] for r in runs), key=lambda r: r["wall"])
             ms = "/".join(f"{v:.1f}" for v in e2e["speed"])
             ratio = f"{YOLOV5_WALL_640 / e2e['wall']:.2f}x" if imgsz == 640 else "-"
             row = f"{imgsz:>5} {batch:>5} {e2e['wall']:>7.2f} {len(files) / e2e['wall']:>6.1f}"
-            print(f"{row} {e2e['cpu']:>6.1f} {ms:>16} {rate:>16.1f} {ratio:>18}", flush=True)
+            model_rate = f"{rate:.1f} ({cpu_ms:.0f})"
+            print(f"{row} {e2e['cpu']:>6.1f} {ms:>16} {model_rate:>30} {ratio:>18}", flush=True)
     print(
         f"yolov5 detect.py at 640: {YOLOV5_WALL_640} s wall, {YOLOV5_INFER_640} ms inference/image"
     )
