@@ -30,7 +30,7 @@ import torch.nn as nn
 import yaml
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from val import evaluate, format_table, preprocess
+from val import evaluate, format_table, parse_kwargs, preprocess
 from yolo_min import checkpoint, dist
 from yolo_min.anchors import check_anchors
 from yolo_min.datasets import YOLODataset, build_dataloader, load_data_config
@@ -414,6 +414,12 @@ def main(args: argparse.Namespace) -> dict:
         return fit(args, info)
     finally:
         dist.cleanup()
+
+
+def run(**kwargs) -> dict:
+    """train.py from Python: `train.run(cfg="yolov5n-seg.yaml", epochs=3)` returns fit's dict;
+    a script calling it under torchrun trains data-parallel."""
+    return main(parse_kwargs(get_args_parser(), kwargs))
 
 
 def cli() -> None:

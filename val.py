@@ -54,7 +54,7 @@ def score_image(index, det, gt: dict, shape, input_hw, protos=None, json_meta=No
     rles = [None] * len(det)
     if protos is not None:
         gt_masks = ops.polygons_to_masks(gt["polygons"], orig_hw).to(det.device)
-        pad = 1 + 1 / min(ratio_pad[0])  # masks lie inside their boxes, to an input pixel
+        pad = 1 + 4 / min(ratio_pad[0])  # masks reach a prototype pixel (4 input px) out of boxes
         near = ops.box_iou(boxes + boxes.new_tensor([-pad, -pad, pad, pad]), gt_boxes.to(boxes)) > 0
         same = det[:, 5:6].long() == gt["cls"].to(det.device)
         want = (near & same).any(1) | bool(json_meta)
@@ -97,15 +97,15 @@ def evaluate(
     nm = model.head.nm if model.task == "segment" else 0
     records, seen, times = [], 0, np.zeros(3)
     for bi, batch in enumerate(loader):
-        t0 = _sync(device)
+        t0 = now(device)
         images = preprocess(batch["images"], device)
-        t1 = _sync(device)
+        t1 = now(device)
         with torch.autocast(device.type, torch.float16, enabled=half and device.type == "cuda"):
             out = model(images)
         preds, protos = out if nm else (out, None)
-        t2 = _sync(device)
+        t2 = now(device)
         dets = ops.non_max_suppression(preds.float(), nm=nm, **nms)
-        times += (t1 - t0, t2 - t1, _sync(device) - t2)
+        times += (t1 - t0, t2 - t1, now(device) - t2)
         seen += len(images)
         for j, det in enumerate(dets):
             index = int(batch["indices"][j])
@@ -127,7 +127,8 @@ def evaluate(
     return res
 
 
-def _sync(device: torch.device) -> float:
+def now(device: torch.device) -> float:
+    """time.perf_counter() once the device's queued work is done."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
@@ -226,10 +227,32 @@ def main(args: argparse.Namespace) -> dict:
         dist.cleanup()
 
 
-if __name__ == "__main__":
+def parse_kwargs(parser: argparse.ArgumentParser, kwargs: dict) -> argparse.Namespace:
+    """The arguments of a `run(**kwargs)` call: the parser's defaults, and kwargs (its options as
+    Python names: batch_size for --batch-size) in their place. TypeError if unknown or missing."""
+    actions = [a for a in parser._actions if a.dest != "help"]
+    if unknown := sorted(set(kwargs) - {a.dest for a in actions}):
+        raise TypeError(f"unknown option(s) {unknown}: see {parser.prog} --help")
+    if missing := [a.dest for a in actions if a.required and a.dest not in kwargs]:
+        raise TypeError(f"missing option(s) {missing}")
+    return argparse.Namespace(**{a.dest: a.default for a in actions} | kwargs)
+
+
+def run(**kwargs) -> dict:
+    """val.py from Python: `val.run(weights="best.pt", data="coco128.yaml")` returns main's."""
+    return main(parse_kwargs(get_args_parser(), kwargs))
+
+
+def cli(main, parser: argparse.ArgumentParser) -> None:
+    """main(the command line's arguments); a bad argument, weights or input file (ValueError,
+    OSError) is one line, said by rank 0, and exit 2."""
     try:
-        main(get_args_parser().parse_args())
-    except (ValueError, OSError) as e:  # a bad argument, weights or data file: one line, exit 2
+        main(parser.parse_args())
+    except (ValueError, OSError) as e:
         if int(os.environ.get("RANK", "0")) == 0:
-            print(f"val.py: error: {str(e).splitlines()[0]}", file=sys.stderr)
+            print(f"{parser.prog}: error: {str(e).splitlines()[0]}", file=sys.stderr)
         sys.exit(2)
+
+
+if __name__ == "__main__":
+    cli(main, get_args_parser())

@@ -30,5 +30,5 @@ def test_the_library_is_rank_free():
 
 
 def test_entry_scripts_hold_no_test_hooks():
-    for name in ("train.py", "val.py"):
+    for name in ("train.py", "val.py", "predict.py"):
         assert "YOLO_MIN_TEST" not in (ROOT / name).read_text(), name

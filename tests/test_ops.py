@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from yolo_min.ops import (box_iou, mask_iou, non_max_suppression, polygons_to_masks, process_mask, rle_encode,
-                          scale_boxes, scale_masks, xywh2xyxy, xyxy2xywh)
+from yolo_min.ops import (box_iou, mask_iou, mask_to_polygon, non_max_suppression, polygons_to_masks,
+                          process_mask, rle_encode, scale_boxes, scale_masks, xywh2xyxy, xyxy2xywh)
 
 
 @pytest.mark.parametrize("setting", ["val", "predict"])
@@ -39,6 +39,31 @@ def test_nms_semantics_and_mask_coefs():
     torch.testing.assert_close(top2, multi[:2])
     empty, = non_max_suppression(rows, conf_thres=0.99, nm=2)
     assert empty.shape == (0, 8)
+    only1, = non_max_suppression(rows, multi_label=True, classes=[1], nm=2)  # filtered before NMS
+    assert only1[:, 6].tolist() == [2, 3] and (only1[:, 5] == 1).all()
+    agnostic, = non_max_suppression(rows, agnostic=True, nm=2)  # row 0 suppresses row 2 (class 1)
+    assert agnostic[:, 6].tolist() == [0, 3]
+
+
+def test_mask_to_polygon_as_opencv_find_contours():
+    """The outer border's corner pixels (OpenCV's RETR_EXTERNAL, CHAIN_APPROX_SIMPLE output, checked
+    by hand and against cv2 5.0), clockwise; the component with the most corners."""
+    m = np.zeros((8, 10), bool)
+    m[2:6, 3:8] = True
+    assert mask_to_polygon(m).tolist() == [[3, 2], [7, 2], [7, 5], [3, 5]]
+    m = np.zeros((9, 9), bool)
+    m[1:8, 1:8], m[2:7, 2:7], m[4, 4] = True, False, True  # a ring with a pixel in its hole
+    assert mask_to_polygon(torch.from_numpy(m)).tolist() == [[1, 1], [7, 1], [7, 7], [1, 7]]
+    m = np.zeros((9, 12), bool)
+    m[1:4, 1:4], m[5, 5:9], m[6:8, 5:9], m[7, 9:11] = True, True, True, True  # 4 and 6 corners
+    assert mask_to_polygon(m).tolist() == [[5, 5], [8, 5], [8, 6], [9, 7], [10, 7], [5, 7]]
+    m = np.zeros((6, 7), bool)
+    m[[1, 2, 3], [1, 2, 3]] = True  # 8-connected: one diagonal run, traced there and back
+    assert mask_to_polygon(m).tolist() == [[1, 1], [3, 3]]
+    m[1:4, 1:4] = False
+    m[2, 5] = True
+    assert mask_to_polygon(m).tolist() == [[5, 2]]
+    assert mask_to_polygon(np.zeros((4, 4), bool)).shape == (0, 2)
 
 
 def test_box_conversions_and_iou():
@@ -66,7 +91,11 @@ def test_process_mask_crops_to_box_and_scale_masks_cuts_padding():
     boxes = torch.tensor([[3.5, 8.0, 20.0, 30.2], [0.0, 0.0, 64.0, 64.0]])
     masks = process_mask(protos, torch.tensor([[1.0, 0.0], [0.0, 1.0]]), boxes, (64, 64))
     want = torch.zeros(64, 64, dtype=torch.bool)
-    want[8:31, 4:20] = True  # pixel indices i with x1 <= i < x2
+    # cropped at prototype resolution (1/4): columns 0.875 <= c < 5 and rows 2 <= r < 7.55, i.e.
+    # 1-4 and 2-7, then upsampled by 4: input columns 4-19 and rows 8-31 (sigmoid(5) ~ 1), but
+    # the corners, where bilinear weights 0.625 * 0.625 * sigmoid(5) < 0.5
+    want[8:32, 4:20] = True
+    want[[8, 8, 31, 31], [4, 19, 4, 19]] = False
     assert torch.equal(masks[0], want) and not masks[1].any()
     orig = scale_masks(masks, ((1.0, 1.0), (0.0, 8.0)), (48, 64))  # 8 rows of padding top and bottom
     assert orig.shape == (2, 48, 64) and torch.equal(orig[0], want[8:56])

@@ -259,6 +259,8 @@ class _Unpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         if name in YOLOV5_CLASSES.get(module, ()):
             return type(name, (_Record,), {})
+        if name == "getattr" and module in ("builtins", "__builtin__"):
+            return lambda obj, attr: None  # yolov5's Segment.detect = Detect.forward: no data
         if name in SAFE_GLOBALS.get(module, ()):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"refusing '{module}.{name}': not a yolov5 or tensor type")

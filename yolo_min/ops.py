@@ -45,11 +45,14 @@ def non_max_suppression(
     max_det: int = 300,
     nm: int = 0,
     max_nms: int = 30000,
+    classes: list[int] | None = None,
+    agnostic: bool = False,
 ) -> list[torch.Tensor]:
     """Per-class NMS of decoded head output.
 
     pred (bs, N, 5+nc+nm): [cx, cy, w, h (input pixels), obj, cls probs..., mask coefs...].
     Score = obj * cls; multi_label keeps every (box, class) pair above conf_thres, else the best.
+    classes: keep only these; agnostic: boxes of different classes suppress each other too.
     The `max_nms` highest scores enter NMS; the `max_det` best survivors are kept.
     Returns per image (n, 6+nm) [x1, y1, x2, y2, conf, cls, coefs...] sorted by conf (descending).
     """
@@ -65,9 +68,13 @@ def non_max_suppression(
             conf, j = scores.max(1)
             i = (conf > conf_thres).nonzero().squeeze(1)
             conf, j = conf[i], j[i]
+        if classes is not None:
+            keep = torch.isin(j, torch.tensor(classes, device=j.device))
+            i, j, conf = i[keep], j[keep], conf[keep]
         det = torch.cat((xywh2xyxy(x[i, :4]), conf[:, None], j[:, None].float(), x[i, 5 + nc :]), 1)
         det = det[conf.argsort(descending=True)[:max_nms]]
-        keep = torchvision.ops.batched_nms(det[:, :4], det[:, 4], det[:, 5], iou_thres)
+        groups = torch.zeros_like(det[:, 5]) if agnostic else det[:, 5]
+        keep = torchvision.ops.batched_nms(det[:, :4], det[:, 4], groups, iou_thres)
         out.append(det[keep[:max_det]])
     return out
 
@@ -84,21 +91,23 @@ def scale_boxes(boxes: torch.Tensor, ratio_pad, orig_hw: tuple[int, int]) -> tor
 def process_mask(
     protos: torch.Tensor, coefs: torch.Tensor, boxes: torch.Tensor, input_hw: tuple[int, int]
 ) -> torch.Tensor:
-    """Instance masks at the network input size.
+    """Instance masks at the network input size, as yolov5's process_mask(upsample=True).
 
     protos (nm, h, w), coefs (n, nm), boxes (n, 4) xyxy input pixels -> (n, H, W) bool:
-    sigmoid(coefs @ protos), bilinear upsampling to input_hw, zero outside the box, > 0.5.
+    sigmoid(coefs @ protos), zero outside the box (at prototype resolution), bilinear upsampling
+    to input_hw, > 0.5. A mask reaches at most one prototype pixel beyond its box.
     """
     nm, h, w = protos.shape
     if len(coefs) == 0:
         return torch.zeros((0, *input_hw), dtype=torch.bool, device=protos.device)
-    m = (coefs.float() @ protos.float().view(nm, -1)).sigmoid().view(1, -1, h, w)
-    m = F.interpolate(m, size=input_hw, mode="bilinear", align_corners=False)[0]
-    x1, y1, x2, y2 = boxes[:, :4, None].unbind(1)  # (n, 1) each
-    rows = torch.arange(input_hw[0], device=m.device, dtype=boxes.dtype)
-    cols = torch.arange(input_hw[1], device=m.device, dtype=boxes.dtype)
-    in_rows, in_cols = (rows >= y1) & (rows < y2), (cols >= x1) & (cols < x2)  # (n, H), (n, W)
-    return (m > 0.5) & in_rows[:, :, None] & in_cols[:, None, :]
+    m = (coefs.float() @ protos.float().view(nm, -1)).sigmoid().view(-1, h, w)
+    scale = boxes.new_tensor([w / input_hw[1], h / input_hw[0]] * 2)
+    x1, y1, x2, y2 = (boxes[:, :4] * scale)[:, :, None].unbind(1)  # (n, 1) each, prototype pixels
+    rows = torch.arange(h, device=m.device, dtype=boxes.dtype)
+    cols = torch.arange(w, device=m.device, dtype=boxes.dtype)
+    in_rows, in_cols = (rows >= y1) & (rows < y2), (cols >= x1) & (cols < x2)  # (n, h), (n, w)
+    m = m * (in_rows[:, :, None] & in_cols[:, None, :])
+    return F.interpolate(m[None], size=input_hw, mode="bilinear", align_corners=False)[0] > 0.5
 
 
 def scale_masks(masks: torch.Tensor, ratio_pad, orig_hw: tuple[int, int]) -> torch.Tensor:
@@ -165,6 +174,46 @@ def polygons_to_masks(polygons: list, hw: tuple[int, int]) -> torch.Tensor:
             ]
             out[i, :, lo:hi] = (np.cumsum(toggles) % 2 == 1).reshape(hi - lo, h).T
     return torch.from_numpy(out)
+
+
+# the 8 neighbours (dy, dx) of a pixel, clockwise from the east (rows grow downwards)
+NEIGHBOURS = ((0, 1), (1, 1), (1, 0), (1, -1), (0, -1), (-1, -1), (-1, 0), (-1, 1))
+
+
+def trace_border(m: np.ndarray, start: int) -> tuple[np.ndarray, np.ndarray]:
+    """Moore-neighbour tracing of the outer border of the 8-connected component whose first pixel
+    in raster order is `start` (a flat index) in a bool (h, w) mask with a background frame ->
+    (border pixels (k, 2) [x, y] clockwise, the direction index of the step leaving each)."""
+    flat, w = m.ravel(), m.shape[1]
+    steps = [dy * w + dx for dy, dx in NEIGHBOURS]
+    p, d, points, dirs = start, 4, [], []  # the search starts at the west, known background
+    while True:
+        nd = next(((d + k) % 8 for k in range(8) if flat[p + steps[(d + k) % 8]]), None)
+        if nd is None or (dirs and nd == dirs[0] and p == start):  # leaving the start again
+            break
+        points.append(p)
+        dirs.append(nd)
+        p, d = p + steps[nd], (nd + 6 - nd % 2) % 8  # from the last background neighbour seen
+    points = np.array(points or [start])
+    return np.stack([points % w, points // w], 1), np.array(dirs or [0])
+
+
+def mask_to_polygon(mask: torch.Tensor | np.ndarray) -> np.ndarray:
+    """The largest outer border of a bool (h, w) mask -> (k, 2) float32 [x, y] pixel indices of its
+    corner pixels, (0, 2) for an empty mask. As yolov5 writes OpenCV's findContours (RETR_EXTERNAL,
+    CHAIN_APPROX_SIMPLE): straight runs keep their ends, components in another's holes are not
+    outer borders, and the largest is the one with the most corners."""
+    m = np.pad(np.asarray(mask.cpu() if isinstance(mask, torch.Tensor) else mask, dtype=bool), 1)
+    best = np.zeros((0, 2), np.float32)
+    while m.any():
+        border, dirs = trace_border(m, int(m.argmax()))
+        inside = polygons_to_masks([border + 0.5], m.shape)[0].numpy()  # pixel centres inside
+        inside[border[:, 1], border[:, 0]] = True
+        corners = border[(dirs != np.roll(dirs, 1)) | (len(dirs) == 1)]
+        if len(corners) >= len(best):  # ties: the lower one, as OpenCV lists them bottom up
+            best = (corners - 1).astype(np.float32)
+        m &= ~inside  # the component, its holes and all inside them
+    return best
 
 
 def mask_iou(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -41,27 +41,20 @@ def draw_batch(
     n, cells = min(bs, MAX_IMAGES), []
     targets = torch.zeros(0, 6) if targets is None else targets
     for i in range(n):
+        conf = None
         if preds is not None:
             p = preds[i].detach().float().cpu()
             boxes, cls, conf = p[:, :4], p[:, 5].long().tolist(), p[:, 4].tolist()
         else:
             t = targets[targets[:, 0] == i].float().cpu()
             boxes, cls = xywh2xyxy(t[:, 2:6] * torch.tensor([W, H, W, H])), t[:, 1].long().tolist()
-        text = [names[c] if names and c < len(names) else str(c) for c in cls]
-        text = [f"{s} {c:.2f}" for s, c in zip(text, conf)] if preds is not None else text
-        colors = [PALETTE[c % len(PALETTE)] for c in cls]
-        img = images[i].cpu()
+        inst = None
         if masks is not None and cls:
             m = masks[i].cpu()
-            inst = (
-                m[None] == torch.arange(1, len(cls) + 1)[:, None, None] if m.ndim == 2 else m.bool()
-            )
+            inst = m[None] == torch.arange(1, len(cls) + 1)[:, None, None] if m.ndim == 2 else m
             inst = F.interpolate(inst[None].float(), size=(H, W), mode="nearest")[0].bool()
-            img = draw_segmentation_masks(img, inst, alpha=0.45, colors=colors)
-        if cls:
-            width = max(1, round(W / 320))
-            img = draw_bounding_boxes(img, boxes, labels=text, colors=colors, width=width)
-        cells.append(img)
+        width = max(1, round(W / 320))
+        cells.append(draw_detections(images[i].cpu(), boxes, cls, conf, names, inst, width))
     nrow = math.ceil(math.sqrt(n))
     grid = make_grid(cells, nrow=nrow, padding=PAD, pad_value=255)
     grid = Image.fromarray(grid.permute(1, 2, 0).numpy())
@@ -73,6 +66,22 @@ def draw_batch(
     Path(fname).parent.mkdir(parents=True, exist_ok=True)
     grid.save(fname, quality=90)
     return Path(fname)
+
+
+def draw_detections(
+    image, boxes, cls: list, conf=None, names=None, masks=None, width=1, labels=True
+):
+    """uint8 (3, H, W) image with bool masks (n, H, W) blended in (alpha 0.5) and boxes (n, 4)
+    xyxy pixels drawn in the colours of classes cls, labelled "name conf" ("name" if conf is None,
+    nothing unless labels); a new tensor, or the image itself when cls is empty."""
+    if not cls:
+        return image
+    colors = [PALETTE[c % len(PALETTE)] for c in cls]
+    text = [names[c] if names and c < len(names) else str(c) for c in cls]
+    text = [f"{s} {c:.2f}" for s, c in zip(text, conf)] if conf is not None else text
+    if masks is not None:
+        image = draw_segmentation_masks(image, masks, alpha=0.5, colors=colors)
+    return draw_bounding_boxes(image, boxes, text if labels else None, colors=colors, width=width)
 
 
 def plot_results(path: Path) -> None:

@@ -1,0 +1,304 @@
+"""Run a yolo_min or yolov5 checkpoint on images: boxes (and masks), drawn and written as yolov5's
+detect.py and segment/predict.py do.
+
+    python predict.py --weights best.pt --source images/ --save-txt
+    torchrun --nproc_per_node 2 predict.py --weights best.pt --source 'photos/*.jpg'  # files shared
+
+From Python: `predict(model, images)` returns per image its boxes and masks, `draw(result)` pictures
+one, `run(weights=..., source=...)` is the command line. Writes to runs/predict/exp, exp2, ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import glob
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from PIL import Image, ImageOps
+from torch.utils.data import DataLoader, Dataset
+
+from val import cli, now, parse_kwargs, preprocess
+from yolo_min import dist, ops
+from yolo_min.checkpoint import load_model, next_run_dir
+from yolo_min.labels import IMG_FORMATS, DataError
+from yolo_min.models import make_divisible
+from yolo_min.plots import draw_detections
+
+PREDICT_NMS = dict(conf_thres=0.25, iou_thres=0.45, max_det=1000)  # yolov5's detect.py
+
+
+def find_images(source: str) -> list[str]:
+    """The image files of a source: an image, a folder (sorted, not recursive), a glob, or a .txt
+    file listing paths (one a line, relative to the working directory)."""
+    path = Path(source)
+    if path.suffix == ".txt" and path.is_file():
+        files = [line.strip() for line in path.read_text().splitlines() if line.strip()]
+    elif path.is_file():
+        files = [source]
+    else:  # a folder's files, or a glob's
+        pattern = str(Path(glob.escape(source)) / "*") if path.is_dir() else source
+        files = sorted(glob.glob(pattern, recursive=True))
+    if not (files := [f for f in files if f.rpartition(".")[2].lower() in IMG_FORMATS]):
+        why = f"no images ({', '.join(IMG_FORMATS)})" if path.exists() else "not found"
+        raise DataError(f"--source {source}: {why}")
+    return files
+
+
+def letterbox(image: torch.Tensor, imgsz: int, stride: int) -> tuple[torch.Tensor, tuple]:
+    """uint8 (h, w, 3) -> (uint8 (3, H, W) network input, ratio_pad) as yolov5's inference does:
+    resized to long side imgsz in whole pixels (bilinear without antialiasing, OpenCV's
+    INTER_LINEAR), centred on the smallest stride-multiple canvas of 114 grey. ratio_pad maps
+    back as yolov5's scale_boxes: ((r, r), ((W - w * r) / 2, (H - h * r) / 2))."""
+    (h0, w0), x = image.shape[:2], image.permute(2, 0, 1)
+    r = imgsz / max(h0, w0)
+    h, w = round(h0 * r), round(w0 * r)
+    H, W = make_divisible(h, stride), make_divisible(w, stride)
+    if (h, w) != (h0, w0):
+        x = F.interpolate(x[None], size=(h, w), mode="bilinear", antialias=False)[0]
+    top, left = round((H - h) / 2 - 0.1), round((W - w) / 2 - 0.1)
+    canvas = F.pad(x, (left, W - w - left, top, H - h - top), value=114)
+    return canvas, ((r, r), ((W - w0 * r) / 2, (H - h0 * r) / 2))
+
+
+class Images(Dataset):
+    """Images (paths, PIL images or uint8 (h, w, 3) RGB arrays) letterboxed for the network. Sample
+    k: {"index": k, "path" (None in memory), "image" uint8 (h, w, 3) RGB, EXIF orientation applied,
+    "input" uint8 (3, H, W), "ratio_pad"}; an unreadable image: {"index", "path", "error"}."""
+
+    def __init__(self, images: list, imgsz: int, stride: int):
+        self.images, self.imgsz, self.stride = images, imgsz, stride
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, k: int) -> dict:
+        src = self.images[k]
+        path = str(src) if isinstance(src, (str, Path)) else None
+        try:
+            if not isinstance(src, np.ndarray):
+                src = ImageOps.exif_transpose(Image.open(src) if path else src).convert("RGB")
+            image = torch.from_numpy(np.array(src))
+            if image.dtype != torch.uint8 or image.ndim != 3 or image.shape[2] != 3:
+                raise ValueError(f"an array of {image.dtype} {tuple(image.shape)}, not uint8 RGB")
+        except Exception as e:  # missing, unreadable, not an image, truncated, ...
+            return dict(index=k, path=path, error=f"{type(e).__name__}: {e}")
+        canvas, ratio_pad = letterbox(image, self.imgsz, self.stride)
+        return dict(index=k, path=path, image=image, input=canvas, ratio_pad=ratio_pad)
+
+
+def by_shape(samples, batch_size: int):
+    """Lists of up to batch_size samples of one input shape, each as soon as it is full (the rest
+    at the end); an unreadable image's sample alone."""
+    pending = {}
+    for s in samples:
+        shape = tuple(s["input"].shape) if "input" in s else None
+        group = pending.setdefault(shape, [])
+        group.append(s)
+        if len(group) == batch_size or shape is None:
+            yield pending.pop(shape)
+    yield from pending.values()
+
+
+@torch.no_grad()
+def stream(model, images, imgsz=640, batch_size=1, workers=0, polygons=False, **nms):
+    """Predict images (paths, PIL images or uint8 (h, w, 3) RGB arrays) with an eval-mode Model,
+    batched by input shape (so not in the given order); nms: non_max_suppression's options over
+    PREDICT_NMS. Yields per image {"index" into images, "path" (None in memory), "image" uint8
+    (h, w, 3), "boxes" (n, 6) [x1, y1, x2, y2, conf, cls] (whole pixels) by descending conf, "masks"
+    (n, h, w) bool or None, "names", "speed" ms per image (pre-process, inference, NMS)} (and with
+    polygons, for segment, "polygons": each mask's largest outer polygon (k, 2) [x, y] in pixels),
+    or for an unreadable image {"index", "path", "error"}. workers: processes decoding images."""
+    device, stride = next(model.parameters()).device, int(model.stride.max())
+    nm = model.head.nm if model.task == "segment" else 0
+    data = Images(images, make_divisible(imgsz, stride), stride)
+    for group in by_shape(DataLoader(data, batch_size=None, num_workers=workers), batch_size):
+        if "error" in group[0]:
+            yield group[0]
+            continue
+        t0 = now(device)
+        x = preprocess(torch.stack([s["input"] for s in group]), device)
+        t1 = now(device)
+        out = model(x)  # the forward pass
+        preds, protos = out if nm else (out, [None] * len(x))
+        t2 = now(device)
+        dets = ops.non_max_suppression(preds.float(), nm=nm, **(PREDICT_NMS | nms))
+        speed = np.array([t1 - t0, t2 - t1, now(device) - t2]) * 1000 / len(group)
+        for s, det, proto in zip(group, dets, protos):
+            res = {k: s[k] for k in ("index", "path", "image")} | dict(names=model.names)
+            yield res | dict(speed=speed) | to_original(det, proto, s, x.shape[2:], polygons)
+
+
+def to_original(det, protos, sample: dict, input_hw, polygons: bool) -> dict:
+    """An image's detections (n, 6+nm) on its input and prototypes (nm, H/4, W/4) or None ->
+    {"boxes", "masks"(, "polygons")} in original pixels (see stream)."""
+    (h, w), ratio_pad = sample["image"].shape[:2], sample["ratio_pad"]
+    boxes = ops.scale_boxes(det[:, :4], ratio_pad, (h, w)).round()  # whole pixels, as yolov5
+    out = dict(boxes=torch.cat((boxes, det[:, 4:6]), 1).cpu(), masks=None)
+    if protos is not None:
+        masks = ops.process_mask(protos, det[:, 6:], det[:, :4], input_hw)
+        out["masks"] = ops.scale_masks(masks, ratio_pad, (h, w)).cpu()
+        if polygons:  # traced at input resolution, as yolov5 does
+            (r, _), pad = ratio_pad
+            out["polygons"] = [((ops.mask_to_polygon(m) - pad) / r).clip(0, (w, h)) for m in masks]
+    return out
+
+
+def predict(model, images: list, **options) -> list[dict]:
+    """`stream`'s results in the order of images; model: a Model or a weights file."""
+    model = load_model(model) if isinstance(model, (str, Path)) else model.eval()
+    return sorted(stream(model, images, **options), key=lambda r: r["index"])
+
+
+def draw(result: dict, line_width=None, labels=True, conf=True) -> Image.Image:
+    """A result pictured as yolov5 does: masks blended in, boxes labelled "name conf"."""
+    image, boxes = result["image"].permute(2, 0, 1), result["boxes"]
+    width = line_width or max(round(sum(image.shape[1:]) / 2 * 0.003), 2)
+    cls, scores = boxes[:, 5].long().tolist(), boxes[:, 4].tolist() if conf else None
+    masks, names = result["masks"], result["names"]
+    image = draw_detections(image, boxes[:, :4], cls, scores, names, masks, width, labels)
+    return Image.fromarray(image.permute(1, 2, 0).numpy())
+
+
+def label_lines(result: dict, conf: bool) -> str:
+    """yolov5's --save-txt lines, lowest confidence first: detect `cls xc yc w h [conf]`, segment
+    `cls x1 y1 x2 y2 ... [conf]` (the mask's largest outer polygon), normalised to the image."""
+    h, w = result["image"].shape[:2]
+    boxes, masks, lines = result["boxes"].numpy(), result["masks"], []
+    for k in reversed(range(len(boxes))):
+        shape = ops.xyxy2xywh(boxes[k, :4]) / [w, h, w, h]
+        if masks is not None:  # an empty mask: its box's corners
+            poly = result["polygons"][k]
+            shape = (poly if len(poly) else ops.box_corners(boxes[k, :4])) / [w, h]
+        values = [boxes[k, 5], *shape.ravel(), *(boxes[k, 4:5] if conf else [])]
+        lines.append(" ".join(f"{v:g}" for v in values) + "\n")
+    return "".join(lines)
+
+
+def json_entry(result: dict) -> dict:
+    """An image for --save-json: file, size, and per detection class id and name, confidence, box
+    xyxy (original pixels) and, for segment, the mask as COCO RLE."""
+    dets, masks, names = [], result["masks"], result["names"]
+    for k, (*box, conf, c) in enumerate(result["boxes"].tolist()):
+        det = dict(class_id=int(c), name=names[int(c)], confidence=round(conf, 5), box=box)
+        dets.append(det | ({"mask": ops.rle_encode(masks[k])} if masks is not None else {}))
+    h, w = result["image"].shape[:2]
+    return dict(file=result["path"], width=w, height=h, detections=dets)
+
+
+def save(result: dict, save_dir: Path, args) -> None:
+    """An image's outputs: its drawing, labels/<stem>.txt (if it has detections) and crops."""
+    path, boxes = Path(result["path"]), result["boxes"]
+    if not args.nosave:
+        picture = draw(result, args.line_width, not args.hide_labels, not args.hide_conf)
+        picture.save(save_dir / path.name)
+    if args.save_txt and len(boxes):
+        (save_dir / "labels" / f"{path.stem}.txt").write_text(label_lines(result, args.save_conf))
+    for k, (x1, y1, x2, y2, _, c) in enumerate(boxes.tolist() if args.save_crop else []):
+        crop = save_dir / "crops" / result["names"][int(c)] / f"{path.stem}_{k}.jpg"
+        crop.parent.mkdir(parents=True, exist_ok=True)
+        box = (int(x1), int(y1), int(np.ceil(x2)), int(np.ceil(y2)))
+        Image.fromarray(result["image"].numpy()).crop(box).save(crop)
+
+
+def progress(results, n: int, show: bool, every_s: float = 10.0):
+    """Yield the n results; when show, print images/s and the ETA every every_s seconds."""
+    t0 = last = time.time()
+    for i, r in enumerate(results, 1):
+        yield r
+        if show and time.time() - last > every_s and i < n:
+            last, rate = time.time(), i / (time.time() - t0)
+            eta = datetime.timedelta(seconds=round((n - i) / rate))
+            print(f"{i}/{n} images  {rate:.1f} images/s  eta {eta}", flush=True)
+
+
+def get_args_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="Predict boxes (and masks) on images")
+    p.add_argument("--weights", required=True, help="yolo_min checkpoint or yolov5 .pt")
+    p.add_argument("--source", required=True, help="image, folder, glob or .txt list of paths")
+    p.add_argument("--imgsz", type=int, default=640, help="long side (a multiple of the stride)")
+    p.add_argument("--conf-thres", type=float, default=0.25)
+    p.add_argument("--iou-thres", type=float, default=0.45, help="NMS IoU")
+    p.add_argument("--max-det", type=int, default=1000, help="per image")
+    p.add_argument("--classes", nargs="+", type=int, help="keep only these classes")
+    p.add_argument("--agnostic-nms", action="store_true", help="NMS across classes")
+    p.add_argument("--device", default="", help="cpu, 0, cuda:1 (default: cuda if available)")
+    p.add_argument("--batch-size", type=int, default=1, help="per rank")
+    p.add_argument("--workers", type=int, default=0, help="image decoding processes per rank")
+    p.add_argument("--save-txt", action="store_true", help="labels/<image>.txt, yolov5's format")
+    p.add_argument("--save-conf", action="store_true", help="confidences in --save-txt labels")
+    p.add_argument("--save-crop", action="store_true", help="crops/<class>/<image>_<k>.jpg")
+    p.add_argument("--save-json", action="store_true", help="predictions.json for the source")
+    p.add_argument("--nosave", action="store_true", help="no annotated images")
+    p.add_argument("--line-width", type=int, help="box width in pixels (default: by size)")
+    p.add_argument("--hide-labels", action="store_true")
+    p.add_argument("--hide-conf", action="store_true")
+    p.add_argument("--project", default="runs/predict")
+    p.add_argument("--name", default="exp")
+    p.add_argument("--exist-ok", action="store_true")
+    return p
+
+
+def main(args: argparse.Namespace) -> dict:
+    """Predict --source; under torchrun rank r takes images r, r + world_size, ... and rank 0
+    prints the summary. Returns {"save_dir", "images", "skipped", "detections", "speed"}."""
+    info = dist.setup(args.device)
+    try:
+        model = load_model(args.weights, info.device).fuse()
+        if args.classes and not all(0 <= c < model.nc for c in args.classes):
+            nc = f"{args.weights} has classes 0 to {model.nc - 1}"
+            raise ValueError(f"--classes {' '.join(map(str, args.classes))}: {nc}")
+        args.imgsz = make_divisible(args.imgsz, int(model.stride.max()))
+        files = find_images(args.source)
+        save_dir = dist.run_on_main(next_run_dir, args.project, args.name, args.exist_ok)
+        (save_dir / "labels" if args.save_txt else save_dir).mkdir(parents=True, exist_ok=True)
+        nms = dict(conf_thres=args.conf_thres, iou_thres=args.iou_thres, max_det=args.max_det)
+        nms |= dict(classes=args.classes, agnostic=args.agnostic_nms)
+        mine = files[info.rank :: info.world_size]
+        options = (args.imgsz, args.batch_size, args.workers, args.save_txt)
+        seen, skipped, n_det, speed, entries = 0, 0, 0, np.zeros(3), []
+        for r in progress(stream(model, mine, *options, **nms), len(mine), info.is_main):
+            if "error" in r:
+                print(f"WARNING {r['path']}: unreadable, skipped ({r['error']})", flush=True)
+                skipped += 1
+                continue
+            save(r, save_dir, args)
+            seen, n_det, speed = seen + 1, n_det + len(r["boxes"]), speed + r["speed"]
+            if args.save_json:
+                entries.append((info.rank + r["index"] * info.world_size, json_entry(r)))
+        ranks = dist.all_gather_object((seen, skipped, n_det, speed, entries))
+        seen, skipped, n_det, speed = (sum(r[i] for r in ranks) for i in range(4))
+        speed = dict(zip(("preprocess", "inference", "nms"), (speed / max(seen, 1)).tolist()))
+        if info.is_main:
+            summarize(args, save_dir, seen, skipped, speed, [e for r in ranks for e in r[4]])
+        out = dict(save_dir=str(save_dir), images=seen, skipped=skipped, detections=n_det)
+        return out | dict(speed=speed)
+    finally:
+        dist.cleanup()
+
+
+def summarize(args, save_dir: Path, seen: int, skipped: int, speed: dict, entries: list) -> None:
+    """Rank 0's report: predictions.json in source order (entries: (file index, json_entry)),
+    yolov5's Speed line, the skipped images and where the results are."""
+    if args.save_json:
+        results = [e for _, e in sorted(entries, key=lambda e: e[0])]
+        (save_dir / "predictions.json").write_text(json.dumps(results))
+    s, shape = speed, (args.batch_size, 3, args.imgsz, args.imgsz)
+    times = f"{s['preprocess']:.1f}ms pre-process, {s['inference']:.1f}ms inference"
+    print(f"Speed: {times}, {s['nms']:.1f}ms NMS per image at shape {shape}")
+    print(f"{seen} images" + (f", {skipped} unreadable ones skipped" if skipped else ""))
+    print(f"Results saved to {save_dir}", flush=True)
+
+
+def run(**kwargs) -> dict:
+    """predict.py from Python: `run(weights="best.pt", source="images/")` returns main's dict."""
+    return main(parse_kwargs(get_args_parser(), kwargs))
+
+
+if __name__ == "__main__":
+    cli(main, get_args_parser())
