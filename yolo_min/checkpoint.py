@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import io
-import math
 import os
 import pickle
 import random
@@ -24,7 +23,7 @@ import numpy as np
 import torch
 import yaml
 
-from .models import Model, parse_model
+from .models import Model
 
 RUN_ID_FILE = ".torchrun_id"  # in a run folder: the torchrun run that made it
 
@@ -183,32 +182,30 @@ def _signals_held():
 # ---------------------------------------------------------------- loading
 MAX_DEPTH = 64  # nesting of a file's objects (a yolov5 module tree: 15)
 # what `training_state` saves, by type: a file to --resume from must hold these
-RESUME_TYPES = dict(model_cfg=dict, model=dict, ema=dict, optimizer=dict, scaler=dict, args=dict)
-RESUME_TYPES |= dict(hyp=dict, rng=dict, epoch=int, best_epoch=int, ema_updates=int)
+RESUME_TYPES = dict.fromkeys("model_cfg model ema optimizer scaler args hyp rng".split(), dict)
+RESUME_TYPES |= dict(epoch=int, best_epoch=int, ema_updates=int, best_fitness=(int, float))
 
 
 def load(path: str | Path) -> dict:
-    """A yolo_min training checkpoint, for --resume: values of the types `training_state` saves,
-    and a model config that fits the weights (`check_fits`). Any problem: CheckpointError."""
+    """A yolo_min training checkpoint for --resume, checked as `training_state` saves it."""
     ckpt = _read(path)
     if not isinstance(ckpt, dict) or "optimizer" not in ckpt or "hyp" not in ckpt:
         raise CheckpointError(f"{path}: not a yolo_min training checkpoint (or too old to resume)")
     try:
         ok = all(isinstance(ckpt[k], t) for k, t in RESUME_TYPES.items())
         ok = ok and min(ckpt["epoch"], ckpt["best_epoch"], ckpt["ema_updates"]) >= 0
-        numbers = [ckpt["best_fitness"], *ckpt["scaler"].values()] if ok else []
-        ok = ok and all(type(v) in (int, float) and math.isfinite(v) for v in numbers)
+        ok = ok and all(type(v) in (int, float) for v in ckpt["scaler"].values())
         if not ok or not 0 < len(ckpt["rng"]["ranks"]) == ckpt["rng"]["world_size"]:
             raise CheckpointError("its values are not of the types and ranges train.py saves")
-        check_fits(ckpt["model_cfg"], ckpt["model"])
+        fitting_model(ckpt["model_cfg"], ckpt["model"])
     except Exception as e:
         raise CheckpointError(f"{path}: {_why(e)}") from None
     return ckpt
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu") -> Model:
-    """A float32 eval-mode Model from a yolo_min checkpoint or a yolov5 `.pt` (EMA preferred), built
-    once its config fits the file's tensors (`check_fits`). Any problem: CheckpointError."""
+    """A float32 eval-mode Model from a yolo_min checkpoint or a yolov5 `.pt` (EMA preferred), given
+    memory once its config fits the file's tensors (`fitting_model`). Problems: CheckpointError."""
     ckpt = _read(path)
     try:
         weights = ckpt.get("ema") or ckpt.get("model") if isinstance(ckpt, dict) else None
@@ -219,8 +216,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu") -> Model:
             cfg, names = ckpt.get("model_cfg"), ckpt.get("names")
         else:
             raise CheckpointError("neither a yolo_min nor a yolov5 checkpoint")
-        check_fits(cfg, weights)
-        model = Model(cfg)
+        model = fitting_model(cfg, weights).to_empty(device=device)
         model.load_state_dict({k: v.float() for k, v in weights.items()})
         names = list(names.values()) if isinstance(names, dict) else names
         if not isinstance(names, list) or [type(n) for n in names] != [str] * model.nc:
@@ -228,19 +224,21 @@ def load_model(path: str | Path, device: str | torch.device = "cpu") -> Model:
         model.names = names
     except Exception as e:  # whatever a crafted file leads to: one line
         raise CheckpointError(f"{path}: {_why(e)}") from None
-    return model.to(device).eval()
+    return model.eval()
 
 
-def check_fits(cfg, weights: dict) -> None:
-    """Refuse a model config that is not a dict (never a path: a file may not make us open another)
-    or whose layers, built on the meta device (allocating nothing), have other tensors."""
+def fitting_model(cfg, weights: dict) -> Model:
+    """The Model of cfg on the meta device (nothing allocated, no dummy pass run) if its tensors'
+    names and shapes are those of weights; refused otherwise, or if cfg is not a config dict (never
+    a path: a file may not make us open another)."""
     if not isinstance(cfg, dict):
         raise CheckpointError("its model config is not a config dict")
     with torch.device("meta"):
-        layers = parse_model(cfg, 3, "model config")[0]
-    shapes = {f"model.{k}": v.shape for k, v in layers.state_dict().items()}
+        model = Model(cfg)
+    shapes = {k: v.shape for k, v in model.state_dict().items()}
     if shapes != {k: getattr(v, "shape", None) for k, v in weights.items()}:
         raise CheckpointError("its tensors do not fit its model config")
+    return model
 
 
 def _read(path: str | Path):
@@ -271,10 +269,9 @@ def _read(path: str | Path):
 
 
 def check_tree(root, max_bytes: int) -> None:
-    """Refuse what a crafted file's objects can make costly, visiting each one once: a cycle,
-    nesting deeper than MAX_DEPTH, a tensor that is not dense on the CPU, has a zero stride or
-    declares more elements than its storage holds, or tensors of over max_bytes in all (a weights
-    file never expands). A tensor is named by the keys above it but `_` ones."""
+    """Refuse, visiting each object once: a cycle, nesting over MAX_DEPTH, a tensor not dense on the
+    CPU, with a zero stride or more elements than its storage holds, tensors of over max_bytes in
+    all (a weights file never expands). Tensors are named by the keys above them but `_` ones."""
     seen, total = set(), 0
 
     def visit(obj, name: str, above: tuple) -> None:

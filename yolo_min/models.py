@@ -178,7 +178,7 @@ def load_cfg(cfg: str | Path | dict) -> tuple[dict, str]:
 
 
 # What a config may hold, checked before anything is built (a checkpoint's config is untrusted)
-MAX_LAYERS, MAX_REPEATS, MAX_NUMBER = 64, 32, 10_000  # yolov5x: 10 + 15 layers, repeats <= 12
+MAX_LAYERS, MAX_REPEATS, MAX_NUMBER = 50, 16, 10_000  # yolov5x: 10 + 15 layers, repeats <= 12
 CFG_CHECKS = {  # the first six are required
     "nc": lambda v: type(v) is int and 0 < v <= MAX_NUMBER,
     "depth_multiple": lambda v: _number(v, 0, 4) and v > 0,
@@ -237,7 +237,7 @@ def parse_model(d: dict, ch: int, where: str) -> tuple[nn.Sequential, list[int]]
         flat = isinstance(args, list) and all(
             type(a) in (str, bool, type(None)) or _number(a) for a in args
         )
-        if not (type(n) is int and 0 < n <= MAX_REPEATS and flat):
+        if not (type(n) is int and 0 < n <= MAX_REPEATS and n * depth <= MAX_REPEATS and flat):
             why = f"repeats {_short(n)} or args {_short(args)}"
             raise ValueError(f"{where}: layer {i} ({name}): bad {why} (1-{MAX_REPEATS}, scalars)")
         n = max(round(n * depth), 1) if n > 1 else n
