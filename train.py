@@ -254,7 +254,7 @@ def log_every(loader, every: int, header: str, stats: dict):
 def resumed_args(cli, path: str, ckpt: dict) -> argparse.Namespace:
     """The resumed run's own arguments, checked as command-line ones; only --device may change."""
     defaults = vars(get_args_parser().parse_args([]))
-    stored = ckpt["args"] if isinstance(ckpt["args"], dict) else {}
+    stored = ckpt["args"]  # a dict: checkpoint.load checked
     wrong = [k for k in defaults if k != "resume" and type(stored.get(k)) is not type(defaults[k])]
     if wrong or set(stored) != set(defaults):
         raise ConfigError(f"--resume: {path}: not train.py's arguments ({wrong or sorted(stored)})")
@@ -361,12 +361,10 @@ def fit(args, info) -> dict:
 def resume(ckpt: dict, model: Model, ema, optimizer, scaler, args, info) -> tuple[int, tuple]:
     """Restore a checkpoint's training state; returns (first epoch to run, best)."""
     try:
-        restored = checkpoint.restore(
-            ckpt, model, ema, optimizer, scaler, info.rank, info.world_size
-        )
+        ok = checkpoint.restore(ckpt, model, ema, optimizer, scaler, info.rank, info.world_size)
     except checkpoint.CheckpointError as e:
         raise ConfigError(f"--resume: {args.resume}: {e}") from None
-    if not restored:
+    if not ok:
         saved = ckpt["rng"]["world_size"]
         dist.print0(
             f"warning: saved with world size {saved}, resumed with {info.world_size}: "

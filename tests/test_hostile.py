@@ -162,7 +162,7 @@ def test_refused_globals(tmp_path):
 
 def test_object_trees(tmp_path, v5):
     """2^40 paths through 41 shared modules (too deep), 2^30 through 31 (each visited once), a
-    module that contains itself and a list nested 100,000 deep: each ends at once."""
+    module that contains itself, a list nested 100,000 deep, and tuple keys: each ends at once."""
     for depth, words in ((40, "nested over 64 deep"), (30, "its tensors do not fit its model")):
         child = v5.module(v5.Conv)
         for _ in range(depth):
@@ -175,6 +175,12 @@ def test_object_trees(tmp_path, v5):
     torch.save({"model": loop}, tmp_path / "loop.pt")
     refused(tmp_path / "loop.pt", "'model.self' contains itself or is nested over 64 deep")
     refused(torch_zip(tmp_path / "deep.pt", deep_list(100_000)), "nested over 64 deep")
+    # tuples as dict keys are hashed while unpickling: 40 shared levels (2^40 visits) or 100,000
+    # nested ones (a crash in C) are refused before torch.load
+    shared = b")q\x000" + b"".join(b"h%ch%c\x86q%c0" % (i, i, i + 1) for i in range(40)) + b"h("
+    for name, key in (("dag", shared), ("nested", b")" + b"\x85" * 100_000)):
+        path = torch_zip(tmp_path / f"{name}.pt", b"\x80\x02}" + key + b"K\x01s.")
+        refused(path, "it builds tuples of over 10000 nested tuples")
 
 
 def test_tensors_that_expand(tmp_path, v5):

@@ -12,6 +12,7 @@ import datetime
 import io
 import os
 import pickle
+import pickletools
 import random
 import shutil
 import signal
@@ -181,6 +182,7 @@ def _signals_held():
 
 # ---------------------------------------------------------------- loading
 MAX_DEPTH = 64  # nesting of a file's objects (a yolov5 module tree: 15)
+MAX_TUPLES = 10_000  # tuples in a tuple (a tensor's shape: 1)
 # what `training_state` saves, by type: a file to --resume from must hold these
 RESUME_TYPES = dict.fromkeys("model_cfg model ema optimizer scaler args hyp rng".split(), dict)
 RESUME_TYPES |= dict(epoch=int, best_epoch=int, ema_updates=int, best_fitness=(int, float))
@@ -250,13 +252,16 @@ def _read(path: str | Path):
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read it ({e.strerror})") from None
     try:
-        members = zipfile.ZipFile(io.BytesIO(data)).infolist()
+        archive = zipfile.ZipFile(io.BytesIO(data))
+        members = archive.infolist()
     except Exception:  # not a zip (a legacy torch file, text, ...), or a damaged one
         members = []
     stored = all(m.compress_type == zipfile.ZIP_STORED for m in members)
     if not members or not stored or sum(m.file_size for m in members) > len(data):
         raise CheckpointError(f"{path}: not a PyTorch checkpoint (a zip of stored files)")
     try:
+        for m in (m for m in members if m.filename.endswith("data.pkl")):
+            check_tuples(archive.read(m))
         try:
             obj = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         except pickle.UnpicklingError:  # not plain data: a yolov5 file, or a refused one
@@ -282,10 +287,10 @@ def check_tree(root, max_bytes: int) -> None:
             return
         seen.add(id(obj))
         if isinstance(obj, torch.Tensor):
-            n, stored = obj.numel(), obj.untyped_storage().nbytes() // obj.element_size()
-            dense = obj.layout == torch.strided and obj.device.type == "cpu"
-            zero = any(s == 0 and k > 1 for k, s in zip(obj.shape, obj.stride()))
-            if not dense or n > stored or zero:
+            dense = obj.layout == torch.strided and obj.device.type == "cpu"  # else: stores none
+            stored = obj.untyped_storage().nbytes() // obj.element_size() if dense else 0
+            n, zero = obj.numel(), any(s == 0 and k > 1 for k, s in zip(obj.shape, obj.stride()))
+            if n > stored or zero:
                 raise CheckpointError(f"tensor '{name}' declares {n} elements but stores {stored}")
             total += n * obj.element_size()
             return
@@ -297,6 +302,30 @@ def check_tree(root, max_bytes: int) -> None:
     visit(root, "", ())
     if total > max_bytes:
         raise CheckpointError(f"its tensors hold {total} bytes, more than the file's {max_bytes}")
+
+
+def check_tuples(pkl: bytes) -> None:
+    """Refuse a pickle whose tuples, hashed as dict keys while it is read, would hang or crash the
+    unpickler: one holding over MAX_TUPLES tuples (shared ones counted each time), or 1000 times as
+    many in all the tuples it pushes. Its opcodes' stack effects are followed, nothing is built."""
+    stack, memo, total, mark = [], {}, 0, pickletools.markobject
+    for op, arg, _ in pickletools.genops(pkl):
+        before = op.stack_before
+        if "PUT" in op.name or op.name == "MEMOIZE":
+            memo[len(memo) if arg is None else arg] = stack[-1]
+            continue
+        if "GET" in op.name or op.name == "DUP":
+            stack.append(stack[-1] if op.name == "DUP" else memo[arg])
+        else:  # pop the items above a mark and the mark, then those below it; push the results
+            items = []
+            while mark in before and (item := stack.pop()) is not None:
+                items.append(item)
+            items += [stack.pop() for _ in before[: before.index(mark) if mark in before else None]]
+            tuples = 1 + sum(items) if "TUPLE" in op.name else 0
+            stack += [None if x is mark else tuples for x in op.stack_after]
+        total += (top := stack[-1] or 0 if stack else 0)
+        if top > MAX_TUPLES or total > 1000 * MAX_TUPLES:
+            raise CheckpointError(f"it builds tuples of over {MAX_TUPLES} nested tuples")
 
 
 def _why(e: Exception) -> str:
