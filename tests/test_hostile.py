@@ -180,7 +180,7 @@ def test_object_trees(tmp_path, v5):
     shared = b")q\x000" + b"".join(b"h%ch%c\x86q%c0" % (i, i, i + 1) for i in range(40)) + b"h("
     for name, key in (("dag", shared), ("nested", b")" + b"\x85" * 100_000)):
         path = torch_zip(tmp_path / f"{name}.pt", b"\x80\x02}" + key + b"K\x01s.")
-        refused(path, "it builds tuples of over 10000 nested tuples")
+        refused(path, "its tuples nest too deep or too often to be hashed")
 
 
 def test_tensors_that_expand(tmp_path, v5):
@@ -282,17 +282,12 @@ def test_restore_refuses_what_does_not_fit(tmp_path, last_pt):
 
 # ---------------------------------------------------------------- val.py end to end
 def test_val_refuses_in_one_line_fast_and_small(tmp_path, v5, data_dir):
-    """val.py on a representative set, run side by side with a text file as the baseline: exit 2,
-    one line, no secret echoed, each within twice the baseline's time + 10 s (a hang or blow-up
-    takes minutes) and under 1.5 GB peak memory (per process, from wait4)."""
-    secret = tmp_path / "secret.yaml"
-    secret.write_text("nc: 1\nbackbone: [[-1, 1, SECRET_TOKEN, []]]\n")
-    weights = Model(TINY_CFG).state_dict()
-    torch.save({"model": weights, "model_cfg": str(secret)}, tmp_path / "cfg.pt")
+    """val.py on a zip bomb and a stride-0 tensor, side by side with a text file as the baseline:
+    exit 2, one line, each within twice the baseline's time + 10 s (a hang or blow-up takes
+    minutes) and under 1.5 GB peak memory (per process, from wait4)."""
     (tmp_path / "text.pt").write_text("not weights\n")
     weight = torch.zeros(1).expand(HUGE)
-    files = {"text": tmp_path / "text.pt", "cfg": tmp_path / "cfg.pt",
-             "bomb": zip_bomb(tmp_path / "bomb.pt"),
+    files = {"text": tmp_path / "text.pt", "bomb": zip_bomb(tmp_path / "bomb.pt"),
              "stride0": v5_file(tmp_path / "s0.pt", v5, weight, yaml=TINY_CFG)}
     env, procs, t0 = {**os.environ, "OMP_NUM_THREADS": "1"}, {}, time.time()
     for name, path in files.items():
@@ -315,7 +310,7 @@ def test_val_refuses_in_one_line_fast_and_small(tmp_path, v5, data_dir):
     for name, (seconds, code, peak_gb) in ended.items():
         err = (tmp_path / f"{name}.err").read_text()
         assert code == 2 and len(err.strip().splitlines()) == 1, (name, code, err[-2000:])
-        assert err.startswith(f"val.py: error: {files[name]}: ") and "SECRET" not in err, err
+        assert err.startswith(f"val.py: error: {files[name]}: "), err
         assert seconds < 2 * ended["text"][0] + 10 and peak_gb < 1.5, (name, ended)
     assert not (tmp_path / "runs").exists()
 

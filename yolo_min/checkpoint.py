@@ -325,7 +325,7 @@ def check_tuples(pkl: bytes) -> None:
             stack += [None if x is mark else tuples for x in op.stack_after]
         total += (top := stack[-1] or 0 if stack else 0)
         if top > MAX_TUPLES or total > 1000 * MAX_TUPLES:
-            raise CheckpointError(f"it builds tuples of over {MAX_TUPLES} nested tuples")
+            raise CheckpointError("its tuples nest too deep or too often to be hashed safely")
 
 
 def _why(e: Exception) -> str:
