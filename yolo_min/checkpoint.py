@@ -120,9 +120,8 @@ def training_state(model, ema, optimizer, scaler, epoch, best, args, hyp, rngs) 
 
 
 def restore(ckpt: dict, model, ema, optimizer, scaler, rank: int, world_size: int) -> bool:
-    """Load what `training_state` saved into freshly built training objects, and this rank's
-    random states; False if the saved world size differs (then these are not restored).
-    CheckpointError now, not mid-training, if something does not fit (a crafted file)."""
+    """Load what `training_state` saved into fresh training objects and this rank's random states:
+    False if the saved world size differs (not restored), CheckpointError if it does not fit."""
     try:
         model.load_state_dict(ckpt["model"])
         ema.ema.load_state_dict(ckpt["ema"])
@@ -230,9 +229,8 @@ def load_model(path: str | Path, device: str | torch.device = "cpu") -> Model:
 
 
 def fitting_model(cfg, weights: dict) -> Model:
-    """The Model of cfg on the meta device (nothing allocated, no dummy pass run) if its tensors'
-    names and shapes are those of weights; refused otherwise, or if cfg is not a config dict (never
-    a path: a file may not make us open another)."""
+    """cfg's Model on the meta device (nothing allocated) if its tensors' names and shapes are those
+    of weights; else refused, as a cfg that is not a dict (a file may not make us open another)."""
     if not isinstance(cfg, dict):
         raise CheckpointError("its model config is not a config dict")
     with torch.device("meta"):
@@ -305,9 +303,8 @@ def check_tree(root, max_bytes: int) -> None:
 
 
 def check_tuples(pkl: bytes) -> None:
-    """Refuse a pickle whose tuples, hashed as dict keys while it is read, would hang or crash the
-    unpickler: one holding over MAX_TUPLES tuples (shared ones counted each time), or 1000 times as
-    many in all the tuples it pushes. Its opcodes' stack effects are followed, nothing is built."""
+    """Refuse a pickle pushing a tuple of over MAX_TUPLES tuples (shared ones counted each time) or
+    1000 times that in all: hashing them would hang or crash. Follows its opcodes' stack effects."""
     stack, memo, total, mark = [], {}, 0, pickletools.markobject
     for op, arg, _ in pickletools.genops(pkl):
         before = op.stack_before
