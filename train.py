@@ -97,6 +97,8 @@ def check_args(args: argparse.Namespace, world_size: int) -> None:
         raise ConfigError("--epochs and --log-every must be >= 1, --workers and --patience >= 0")
     if args.imgsz < 32:
         raise ConfigError(f"--imgsz {args.imgsz}: at least 32")
+    if args.cache not in ("auto", "ram", "off") or not all(type(f) is int for f in args.freeze):
+        raise ConfigError("--cache must be auto, ram or off, and --freeze integers")
     if args.batch_size < world_size or args.batch_size % world_size:  # the global batch
         size = f"--batch-size {args.batch_size} must be a multiple of the world size {world_size}"
         raise ConfigError(size)
@@ -252,7 +254,7 @@ def log_every(loader, every: int, header: str, stats: dict):
 def resumed_args(cli, path: str, ckpt: dict) -> argparse.Namespace:
     """The resumed run's own arguments, checked as command-line ones; only --device may change."""
     defaults = vars(get_args_parser().parse_args([]))
-    stored = ckpt["args"] if isinstance(ckpt["args"], dict) else {}
+    stored = ckpt["args"]  # a dict: checkpoint.load checked
     wrong = [k for k in defaults if k != "resume" and type(stored.get(k)) is not type(defaults[k])]
     if wrong or set(stored) != set(defaults):
         raise ConfigError(f"--resume: {path}: not train.py's arguments ({wrong or sorted(stored)})")
@@ -282,7 +284,7 @@ def prepare(args, info) -> tuple:
             train_set, val_set = build_datasets(args, hyp, model, data, info)
         need = 36 * sum(p.numel() for p in model.parameters())  # 3 files of 3 fp32 copies
         save_dir = dist.run_on_main(checkpoint.make_run_dir, args, hyp, run_id, need)
-    except (ValueError, OSError, yaml.YAMLError) as e:  # DataError, CheckpointError: ValueErrors
+    except (ValueError, OSError, RuntimeError, yaml.YAMLError) as e:  # DataError, CheckpointError
         raise ConfigError(str(e).splitlines()[0]) from None
     return args, ckpt, hyp, model, train_set, val_set, save_dir
 
@@ -315,7 +317,7 @@ def fit(args, info) -> dict:
     model, criterion, optimizer, scaler, ema = build_training(model, hyp, args, info)
     start, best = 0, (0.0, 0)  # best: (fitness, epoch)
     if ckpt:  # what `checkpoint.training_state` saves at the end of each epoch, below
-        start, best = resume(ckpt, de_parallel(model), ema, optimizer, scaler, info)
+        start, best = resume(ckpt, de_parallel(model), ema, optimizer, scaler, args, info)
         dist.print0(f"Resuming {save_dir} at epoch {start + 1}/{args.epochs}")
     batch, workers = args.batch_size // info.world_size, args.workers
     ranks = dict(rank=info.rank, world_size=info.world_size, local_world_size=info.local_world_size)
@@ -356,9 +358,13 @@ def fit(args, info) -> dict:
     return out | {"img_s": img_s}
 
 
-def resume(ckpt: dict, model: Model, ema, optimizer, scaler, info) -> tuple[int, tuple]:
+def resume(ckpt: dict, model: Model, ema, optimizer, scaler, args, info) -> tuple[int, tuple]:
     """Restore a checkpoint's training state; returns (first epoch to run, best)."""
-    if not checkpoint.restore(ckpt, model, ema, optimizer, scaler, info.rank, info.world_size):
+    try:
+        ok = checkpoint.restore(ckpt, model, ema, optimizer, scaler, info.rank, info.world_size)
+    except checkpoint.CheckpointError as e:
+        raise ConfigError(f"--resume: {args.resume}: {e}") from None
+    if not ok:
         saved = ckpt["rng"]["world_size"]
         dist.print0(
             f"warning: saved with world size {saved}, resumed with {info.world_size}: "

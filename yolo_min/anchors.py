@@ -10,16 +10,20 @@ from __future__ import annotations
 
 import numpy as np
 
+MAX_BOXES = 10_000  # label boxes AutoAnchor measures and fits (yolov5: all of them)
+
 
 def label_wh(labels: list[dict], imgsz: int, rng: np.random.Generator) -> np.ndarray:
     """(n, 2) label box sizes in pixels at training size (long side imgsz), each image scaled by
-    U(0.9, 1.1) like training's scale jitter. labels: the dataset's (normalised xywh `bboxes`)."""
+    U(0.9, 1.1) like training's scale jitter; at most MAX_BOXES of them, a random sample (bounds
+    AutoAnchor's time). labels: the dataset's (normalised xywh `bboxes`)."""
     wh = []
     for lab in labels:
         if len(lab["bboxes"]):
             scale = imgsz / max(lab["shape"]) * rng.uniform(0.9, 1.1)
             wh.append(lab["bboxes"][:, 2:4] * np.array(lab["shape"][::-1]) * scale)
-    return np.concatenate(wh).astype(np.float32) if wh else np.zeros((0, 2), np.float32)
+    wh = np.concatenate(wh).astype(np.float32) if wh else np.zeros((0, 2), np.float32)
+    return wh[rng.choice(len(wh), MAX_BOXES, replace=False)] if len(wh) > MAX_BOXES else wh
 
 
 def ratio_metric(anchors: np.ndarray, wh: np.ndarray) -> np.ndarray:

@@ -12,10 +12,12 @@ import datetime
 import io
 import os
 import pickle
+import pickletools
 import random
 import shutil
 import signal
 import threading
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -118,17 +120,24 @@ def training_state(model, ema, optimizer, scaler, epoch, best, args, hyp, rngs) 
 
 
 def restore(ckpt: dict, model, ema, optimizer, scaler, rank: int, world_size: int) -> bool:
-    """Load what `training_state` saved into freshly built training objects, and this rank's
-    random states; False if the saved world size differs (then these are not restored)."""
-    model.load_state_dict(ckpt["model"])
-    ema.ema.load_state_dict(ckpt["ema"])
-    ema.updates = ckpt["ema_updates"]
-    optimizer.load_state_dict(ckpt["optimizer"])
-    if ckpt["scaler"]:  # empty when saved without a CUDA scaler
-        scaler.load_state_dict(ckpt["scaler"])
-    if ckpt["rng"]["world_size"] != world_size:
-        return False
-    set_rng_state(ckpt["rng"]["ranks"][rank])
+    """Load what `training_state` saved into fresh training objects and this rank's random states:
+    False if the saved world size differs (not restored), CheckpointError if it does not fit."""
+    try:
+        model.load_state_dict(ckpt["model"])
+        ema.ema.load_state_dict(ckpt["ema"])
+        ema.updates = ckpt["ema_updates"]
+        kinds = [{k: type(v) for k, v in g.items()} for g in optimizer.param_groups]
+        optimizer.load_state_dict(ckpt["optimizer"])  # its settings replace ours: same types?
+        ok = all(v.shape == p.shape for p, s in optimizer.state.items() for v in s.values())
+        if not ok or kinds != [{k: type(v) for k, v in g.items()} for g in optimizer.param_groups]:
+            raise CheckpointError("its optimizer state does not fit this model's SGD")
+        if ckpt["scaler"]:  # empty when saved without a CUDA scaler
+            scaler.load_state_dict(ckpt["scaler"])
+        if ckpt["rng"]["world_size"] != world_size:
+            return False
+        set_rng_state(ckpt["rng"]["ranks"][rank])
+    except Exception as e:
+        raise CheckpointError(f"cannot restore its training state: {_why(e)}") from None
     return True
 
 
@@ -171,19 +180,36 @@ def _signals_held():
 
 
 # ---------------------------------------------------------------- loading
+MAX_DEPTH = 64  # nesting of a file's objects (a yolov5 module tree: 15)
+MAX_TUPLES = 10_000  # tuples in a tuple (a tensor's shape: 1)
+# what `training_state` saves, by type: a file to --resume from must hold these
+RESUME_TYPES = dict.fromkeys("model_cfg model ema optimizer scaler args hyp rng".split(), dict)
+RESUME_TYPES |= dict(epoch=int, best_epoch=int, ema_updates=int, best_fitness=(int, float))
+
+
 def load(path: str | Path) -> dict:
-    """A yolo_min training checkpoint, for --resume."""
+    """A yolo_min training checkpoint for --resume, checked as `training_state` saves it."""
     ckpt = _read(path)
     if not isinstance(ckpt, dict) or "optimizer" not in ckpt or "hyp" not in ckpt:
         raise CheckpointError(f"{path}: not a yolo_min training checkpoint (or too old to resume)")
+    try:
+        ok = all(isinstance(ckpt[k], t) for k, t in RESUME_TYPES.items())
+        ok = ok and min(ckpt["epoch"], ckpt["best_epoch"], ckpt["ema_updates"]) >= 0
+        ok = ok and all(type(v) in (int, float) for v in ckpt["scaler"].values())
+        if not ok or not 0 < len(ckpt["rng"]["ranks"]) == ckpt["rng"]["world_size"]:
+            raise CheckpointError("its values are not of the types and ranges train.py saves")
+        fitting_model(ckpt["model_cfg"], ckpt["model"])
+    except Exception as e:
+        raise CheckpointError(f"{path}: {_why(e)}") from None
     return ckpt
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu") -> Model:
-    """A float32 eval-mode Model from a yolo_min checkpoint or a yolov5 `.pt` (EMA preferred)."""
+    """A float32 eval-mode Model from a yolo_min checkpoint or a yolov5 `.pt` (EMA preferred), given
+    memory once its config fits the file's tensors (`fitting_model`). Problems: CheckpointError."""
     ckpt = _read(path)
-    weights = ckpt.get("ema") or ckpt.get("model") if isinstance(ckpt, dict) else None
     try:
+        weights = ckpt.get("ema") or ckpt.get("model") if isinstance(ckpt, dict) else None
         if isinstance(weights, _Record):  # yolov5: a pickled module tree
             cfg, names = weights.__dict__.get("yaml"), weights.__dict__.get("names")
             weights = _record_state_dict(weights)
@@ -191,53 +217,140 @@ def load_model(path: str | Path, device: str | torch.device = "cpu") -> Model:
             cfg, names = ckpt.get("model_cfg"), ckpt.get("names")
         else:
             raise CheckpointError("neither a yolo_min nor a yolov5 checkpoint")
-        if not isinstance(cfg, dict):  # never a path: a file may not make us open another
-            raise CheckpointError("its model config is not a config dict")
-        model = Model(cfg)
+        model = fitting_model(cfg, weights).to_empty(device=device)
         model.load_state_dict({k: v.float() for k, v in weights.items()})
-    except (ValueError, RuntimeError, TypeError, KeyError, AttributeError) as e:
-        raise CheckpointError(f"{path}: {str(e).splitlines()[0]}") from None
-    names = list(names.values()) if isinstance(names, dict) else names
-    model.names = [str(n) for n in names] if isinstance(names, list) else model.names
-    return model.to(device).eval()
+        names = list(names.values()) if isinstance(names, dict) else names
+        if not isinstance(names, list) or [type(n) for n in names] != [str] * model.nc:
+            raise CheckpointError(f"its names are not {model.nc} class names")
+        model.names = names
+    except Exception as e:  # whatever a crafted file leads to: one line
+        raise CheckpointError(f"{path}: {_why(e)}") from None
+    return model.eval()
+
+
+def fitting_model(cfg, weights: dict) -> Model:
+    """cfg's Model on the meta device (nothing allocated) if its tensors' names and shapes are those
+    of weights; else refused, as a cfg that is not a dict (a file may not make us open another)."""
+    if not isinstance(cfg, dict):
+        raise CheckpointError("its model config is not a config dict")
+    with torch.device("meta"):
+        model = Model(cfg)
+    shapes = {k: v.shape for k, v in model.state_dict().items()}
+    if shapes != {k: getattr(v, "shape", None) for k, v in weights.items()}:
+        raise CheckpointError("its tensors do not fit its model config")
+    return model
 
 
 def _read(path: str | Path):
     """The file's object: torch.load with weights_only=True (yolo_min checkpoints), else through the
-    restricted unpickler (yolov5 files); the file is read once."""
+    restricted unpickler (yolov5 files). The file is read once; it must be torch's zip of stored
+    members (none inflates), and its objects pass `check_tree`. Any problem: CheckpointError."""
     try:
-        data = io.BytesIO(Path(path).read_bytes())
+        data = Path(path).read_bytes()
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read it ({e.strerror})") from None
     try:
-        return torch.load(data, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError:
-        pass  # not plain data: a yolov5 file, or a refused one
-    except Exception as e:
-        raise CheckpointError(f"{path}: not a PyTorch checkpoint ({type(e).__name__})") from None
+        archive = zipfile.ZipFile(io.BytesIO(data))
+        members = archive.infolist()
+    except Exception:  # not a zip (a legacy torch file, text, ...), or a damaged one
+        members = []
+    stored = all(m.compress_type == zipfile.ZIP_STORED for m in members)
+    if not members or not stored or sum(m.file_size for m in members) > len(data):
+        raise CheckpointError(f"{path}: not a PyTorch checkpoint (a zip of stored files)")
     try:
-        data.seek(0)
-        return torch.load(data, map_location="cpu", weights_only=False, pickle_module=_Pickle)
-    except Exception as e:
-        raise CheckpointError(f"{path}: {str(e).splitlines()[0]}") from None
+        for m in (m for m in members if m.filename.endswith("data.pkl")):
+            check_tuples(archive.read(m))
+        try:
+            obj = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError:  # not plain data: a yolov5 file, or a refused one
+            kw = dict(weights_only=False, pickle_module=_Pickle)
+            obj = torch.load(io.BytesIO(data), map_location="cpu", **kw)
+        check_tree(obj, len(data))
+    except Exception as e:  # whatever a crafted file leads to (RecursionError, MemoryError, ...)
+        raise CheckpointError(f"{path}: {_why(e)}") from None
+    return obj
+
+
+def check_tree(root, max_bytes: int) -> None:
+    """Refuse, visiting each object once: a cycle, nesting over MAX_DEPTH, a tensor not dense on the
+    CPU, with a zero stride or more elements than its storage holds, tensors of over max_bytes in
+    all (a weights file never expands). Tensors are named by the keys above them but `_` ones."""
+    seen, total = set(), 0
+
+    def visit(obj, name: str, above: tuple) -> None:
+        nonlocal total
+        if id(obj) in above or len(above) > MAX_DEPTH:
+            raise CheckpointError(f"'{name}' contains itself or is nested over {MAX_DEPTH} deep")
+        if id(obj) in seen or not isinstance(obj, (torch.Tensor, dict, list, tuple, set, _Record)):
+            return
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            dense = obj.layout == torch.strided and obj.device.type == "cpu"  # else: stores none
+            stored = obj.untyped_storage().nbytes() // obj.element_size() if dense else 0
+            n, zero = obj.numel(), any(s == 0 and k > 1 for k, s in zip(obj.shape, obj.stride()))
+            if n > stored or zero:
+                raise CheckpointError(f"tensor '{name}' declares {n} elements but stores {stored}")
+            total += n * obj.element_size()
+            return
+        items = vars(obj) if isinstance(obj, _Record) else obj
+        for k, v in items.items() if isinstance(items, dict) else enumerate(items):
+            key = name if str(k).startswith("_") else f"{name}.{str(k)[:40]}".lstrip(".")
+            visit(v, key, (*above, id(obj)))
+
+    visit(root, "", ())
+    if total > max_bytes:
+        raise CheckpointError(f"its tensors hold {total} bytes, more than the file's {max_bytes}")
+
+
+def check_tuples(pkl: bytes) -> None:
+    """Refuse a pickle pushing a tuple of over MAX_TUPLES tuples (shared ones counted each time) or
+    1000 times that in all: hashing them would hang or crash. Follows its opcodes' stack effects."""
+    stack, memo, total, mark = [], {}, 0, pickletools.markobject
+    for op, arg, _ in pickletools.genops(pkl):
+        before = op.stack_before
+        if "PUT" in op.name or op.name == "MEMOIZE":
+            memo[len(memo) if arg is None else arg] = stack[-1]
+            continue
+        if "GET" in op.name or op.name == "DUP":
+            stack.append(stack[-1] if op.name == "DUP" else memo[arg])
+        else:  # pop the items above a mark and the mark, then those below it; push the results
+            items = []
+            while mark in before and (item := stack.pop()) is not None:
+                items.append(item)
+            items += [stack.pop() for _ in before[: before.index(mark) if mark in before else None]]
+            tuples = 1 + sum(items) if "TUPLE" in op.name else 0
+            stack += [None if x is mark else tuples for x in op.stack_after]
+        total += (top := stack[-1] or 0 if stack else 0)
+        if top > MAX_TUPLES or total > 1000 * MAX_TUPLES:
+            raise CheckpointError("its tuples nest too deep or too often to be hashed safely")
+
+
+def _why(e: Exception) -> str:
+    """An exception as one short line (a crafted file may put anything in a message)."""
+    first = (str(e).strip().splitlines() or [""])[0]
+    return (first if isinstance(e, ValueError) else f"{type(e).__name__}: {first}")[:200]
 
 
 # yolov5 pickles whole modules: only these classes are rebuilt, as plain records
 YOLOV5_CLASSES = {
-    "models.yolo": ("DetectionModel", "SegmentationModel", "Model", "Detect", "Segment"),
-    "models.common": ("Conv", "Bottleneck", "C3", "SPPF", "Concat", "Proto"),
+    "models.yolo": ("DetectionModel", "SegmentationModel", "ClassificationModel", "Model")
+    + ("Detect", "Segment"),
+    "models.common": ("Conv", "Bottleneck", "C3", "SPPF", "Concat", "Proto", "Classify"),
     "torch.nn.modules.activation": ("SiLU",),
     "torch.nn.modules.batchnorm": ("BatchNorm2d",),
     "torch.nn.modules.container": ("ModuleList", "Sequential"),
     "torch.nn.modules.conv": ("Conv2d",),
-    "torch.nn.modules.linear": ("Identity",),
-    "torch.nn.modules.pooling": ("MaxPool2d",),
+    "torch.nn.modules.dropout": ("Dropout",),
+    "torch.nn.modules.linear": ("Identity", "Linear"),
+    "torch.nn.modules.pooling": ("MaxPool2d", "AdaptiveAvgPool2d"),
     "torch.nn.modules.upsampling": ("Upsample",),
+    "builtins": ("getattr",),  # yolov5's Segment pickles getattr(Detect, "forward"): a record
+    "__builtin__": ("getattr",),
 }
-# and these are the only real globals it may name (exact names: the storages torch writes)
-STORAGES = ("Float", "Half", "BFloat16", "Double", "Long", "Int", "Short", "Char", "Byte", "Bool")
+# and these are the only real globals it may name, by exact name (torch.load itself turns the
+# storage classes it knows, FloatStorage..., into inert dtype records; other "Storage"s come here)
 SAFE_GLOBALS = {
-    "torch": (*(f"{s}Storage" for s in STORAGES), "Size"),
+    "torch": ("Size",),
     "torch._utils": ("_rebuild_tensor_v2", "_rebuild_parameter"),
     "collections": ("OrderedDict",),
     "builtins": ("set",),
@@ -263,23 +376,17 @@ class _Unpickler(pickle.Unpickler):
             return lambda obj, attr: None  # yolov5's Segment.detect = Detect.forward: no data
         if name in SAFE_GLOBALS.get(module, ()):
             return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"refusing '{module}.{name}': not a yolov5 or tensor type")
+        raise CheckpointError(f"refusing '{module}.{name}': not a yolov5 or tensor type")
 
 
-class _Pickle:  # the pickle_module torch.load takes
+class _Pickle:  # the pickle_module torch.load takes (for zip files: its Unpickler only)
     Unpickler = _Unpickler
 
-    @staticmethod
-    def load(f, **kwargs):
-        return _Unpickler(f, **kwargs).load()
 
-
-def _record_state_dict(rec: _Record, prefix="", seen=None, path=()) -> dict[str, torch.Tensor]:
-    """Parameters and persistent buffers of a pickled module tree, with yolov5's key names. Each
-    module is visited once (yolov5's modules share their activation); cycles are refused."""
+def _record_state_dict(rec: _Record, prefix="", seen=None) -> dict[str, torch.Tensor]:
+    """Parameters and persistent buffers of a pickled module tree (without cycles: `check_tree`),
+    with yolov5's key names. Each module is visited once (yolov5's modules share their SiLU)."""
     seen = set() if seen is None else seen
-    if id(rec) in path or len(path) > 32:
-        raise CheckpointError("its module tree has a cycle or is deeper than 32 levels")
     if id(rec) in seen:
         return {}
     seen.add(id(rec))
@@ -290,5 +397,5 @@ def _record_state_dict(rec: _Record, prefix="", seen=None, path=()) -> dict[str,
             out[prefix + k] = v.detach()
     for k, child in d.get("_modules", {}).items():
         if isinstance(child, _Record):
-            out |= _record_state_dict(child, f"{prefix}{k}.", seen, (*path, id(rec)))
+            out |= _record_state_dict(child, f"{prefix}{k}.", seen)
     return out

@@ -18,7 +18,7 @@ from PIL import Image
 from .ops import box_corners, xywh2xyxy
 
 IMG_FORMATS = ("bmp", "jpeg", "jpg", "png", "tif", "tiff", "webp")
-CACHE_VERSION = "yolo_min-labels-2"
+CACHE_VERSION = "yolo_min-labels-3"
 MAX_WARNINGS = 100  # printed per dataset; all are counted
 SLACK, TOL = 1e-3, 0.05  # coordinates this far outside [0,1]: clipped silently / with a warning
 FOUND, MISSING, EMPTY, CORRUPT = range(4)
@@ -140,6 +140,8 @@ def verify(im_file: str, lb_file: str, nc: int | None = None) -> tuple:
             return bad("empty (0-byte) file")
         with Image.open(im_file) as im:
             (w, h), fmt = im.size, im.format
+            if w * h > Image.MAX_IMAGE_PIXELS:  # PIL only warns below twice as many: GBs to decode
+                return bad(f"{w}x{h} pixels, more than PIL's limit of {Image.MAX_IMAGE_PIXELS:,}")
             if im.getexif().get(0x0112, 1) in (5, 6, 7, 8):  # EXIF rotation by 90 degrees
                 w, h = h, w
             im.draft("RGB", (1, 1))  # JPEG: the whole stream is still decoded, at 1/8 scale

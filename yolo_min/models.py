@@ -7,6 +7,7 @@ Also holds `ModelEMA`, the moving average of the weights that training validates
 from __future__ import annotations
 
 import math
+import reprlib
 from copy import deepcopy
 from pathlib import Path
 
@@ -176,45 +177,88 @@ def load_cfg(cfg: str | Path | dict) -> tuple[dict, str]:
     return yaml.safe_load(path.read_text()), str(path)
 
 
+# What a config may hold, checked before anything is built (a checkpoint's config is untrusted)
+MAX_LAYERS, MAX_REPEATS, MAX_NUMBER = 50, 16, 10_000  # yolov5x: 10 + 15 layers, repeats <= 12
+CFG_CHECKS = {  # the first six are required
+    "nc": lambda v: type(v) is int and 0 < v <= MAX_NUMBER,
+    "depth_multiple": lambda v: _number(v, 0, 4) and v > 0,
+    "width_multiple": lambda v: _number(v, 0, 4) and v > 0,
+    "anchors": lambda v: _rows(v, 8) and all(_rows(r, 20) and all(map(_number, r)) for r in v),
+    "backbone": lambda v: _rows(v, MAX_LAYERS),
+    "head": lambda v: _rows(v, MAX_LAYERS),
+    "ch": lambda v: v == 3,
+    "names": lambda v: isinstance(v, list) and all(isinstance(n, str) for n in v),
+}
+
+
+def _number(x, low: float = -MAX_NUMBER, high: float = MAX_NUMBER) -> bool:
+    """x is an int or float (no bool) in [low, high]: neither NaN nor inf nor huge."""
+    return type(x) in (int, float) and low <= x <= high
+
+
+def _rows(x, most: int) -> bool:
+    return isinstance(x, list) and 0 < len(x) <= most
+
+
+def _short(x) -> str:
+    """x's repr cut short: an untrusted object may be huge, or shared lists nested deep."""
+    return reprlib.repr(x)[:40]
+
+
+def check_cfg(d, where: str) -> None:
+    """ValueError unless d is a model config of sane size (CFG_CHECKS): the keys above with values
+    of their types, nc in [1, MAX_NUMBER], multiples in (0, 4], 1-8 rows of anchors."""
+    if missing := [k for k in list(CFG_CHECKS)[:6] if not isinstance(d, dict) or k not in d]:
+        raise ValueError(f"{where}: missing key '{missing[0]}'")
+    if bad := [k for k in d if k not in CFG_CHECKS or not CFG_CHECKS[k](d[k])]:
+        why = "is out of range or of the wrong type (or an unknown key)"
+        raise ValueError(f"{where}: {_short(bad[0])}: {_short(d[bad[0]])} {why}")
+
+
 def parse_model(d: dict, ch: int, where: str) -> tuple[nn.Sequential, list[int]]:
-    """The layers of a yolov5 cfg dict, and the indices of layers whose outputs are reused later."""
-    for key in ("anchors", "backbone", "head", "nc", "depth_multiple", "width_multiple"):
-        if key not in d:
-            raise ValueError(f"{where}: missing key '{key}'")
+    """The layers of a yolov5 cfg dict (checked: `check_cfg`, then each row before it is built), and
+    the indices of layers whose outputs are reused later."""
+    check_cfg(d, where)
     depth, width = d["depth_multiple"], d["width_multiple"]
     symbols = {"nc": d["nc"], "anchors": d["anchors"], "None": None}
     layers, reused, chs = [], [], [ch]  # chs[0] is the image's
     for i, row in enumerate(d["backbone"] + d["head"]):
         if not (isinstance(row, list) and len(row) == 4):
             raise ValueError(
-                f"{where}: layer {i}: expected [from, repeats, module, args], got {row}"
+                f"{where}: layer {i}: expected [from, repeats, module, args], got {_short(row)}"
             )
         src, n, name, args = row
-        if name not in MODULES:
+        if not isinstance(name, str) or name not in MODULES:
             known = ", ".join(MODULES)
-            raise ValueError(f"{where}: layer {i}: unknown module '{name}' (known: {known})")
+            raise ValueError(f"{where}: layer {i}: unknown module {_short(name)} (known: {known})")
         m, froms = MODULES[name], src if isinstance(src, list) else [src]
-        if not froms or not all(isinstance(j, int) and (j == -1 or 0 <= j < i) for j in froms):
-            raise ValueError(f"{where}: layer {i} ({name}): bad 'from' {src}")
-        args = [symbols.get(a, a) if isinstance(a, str) else a for a in args]
+        if not froms or not all(type(j) is int and (j == -1 or 0 <= j < i) for j in froms):
+            raise ValueError(f"{where}: layer {i} ({name}): bad 'from' {_short(src)}")
+        flat = isinstance(args, list) and all(
+            type(a) in (str, bool, type(None)) or _number(a) for a in args
+        )
+        if not (type(n) is int and 0 < n <= MAX_REPEATS and n * depth <= MAX_REPEATS and flat):
+            why = f"repeats {_short(n)} or args {_short(args)}"
+            raise ValueError(f"{where}: layer {i} ({name}): bad {why} (1-{MAX_REPEATS}, scalars)")
         n = max(round(n * depth), 1) if n > 1 else n
-        c_in = [chs[j + 1 if j >= 0 else j] for j in froms]
-        c_out = c_in[0]
-        if m in (Conv, C3, SPPF):
-            c_out = make_divisible(args[0] * width)
-            args = [c_in[0], c_out, *args[1:]]
-            if m is C3:
-                args, n = [*args[:2], n, *args[2:]], 1
-        elif m is Concat:
-            c_out = sum(c_in)
-        elif m in (Detect, Segment):
-            if m is Segment:
-                args[3] = make_divisible(args[3] * width)
-            args.append(c_in)
         try:
+            args = [symbols.get(a, a) if isinstance(a, str) else a for a in args]
+            c_in = [chs[j + 1 if j >= 0 else j] for j in froms]
+            c_out = c_in[0]
+            if m in (Conv, C3, SPPF):
+                c_out = make_divisible(args[0] * width)
+                args = [c_in[0], c_out, *args[1:]]
+                if m is C3:
+                    args, n = [*args[:2], n, *args[2:]], 1
+            elif m is Concat:
+                c_out = sum(c_in)
+            elif m in (Detect, Segment):
+                if m is Segment:
+                    args[3] = make_divisible(args[3] * width)
+                args.append(c_in)
             module = nn.Sequential(*(m(*args) for _ in range(n))) if n > 1 else m(*args)
         except (TypeError, ValueError, IndexError) as e:
-            raise ValueError(f"{where}: layer {i} ({name}): bad args {args}: {e}") from None
+            raise ValueError(f"{where}: layer {i} ({name}): bad args {_short(args)}: {e}") from None
         module.i, module.f = i, src
         layers.append(module)
         reused.extend(j % i for j in froms if j != -1)
@@ -245,7 +289,7 @@ class Model(nn.Module):
         with torch.no_grad():
             out = self.forward(torch.zeros(1, 3, s, s))
         maps = out[0] if self.task == "segment" else out
-        head.stride = torch.tensor([s / x.shape[-3] for x in maps])
+        head.stride = torch.tensor([s / x.shape[-3] for x in maps], device="cpu")  # also on meta
         head.anchors /= head.stride.view(-1, 1, 1)
         for m in self.modules():
             if isinstance(m, nn.BatchNorm2d):
