@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import yaml
 
-from .models import Model
+from .models import Model, load_cfg
 
 RUN_ID_FILE = ".torchrun_id"  # in a run folder: the torchrun run that made it
 
@@ -186,7 +186,8 @@ def load_model(path: str | Path, device: str | torch.device = "cpu") -> Model:
     try:
         if isinstance(weights, _Record):  # yolov5: a pickled module tree
             cfg, names = weights.__dict__.get("yaml"), weights.__dict__.get("names")
-            weights = _record_state_dict(weights)
+            kind, weights = type(weights).__name__, _record_state_dict(weights)
+            cfg = _classifier_cfg(weights) if kind == "ClassificationModel" else cfg
         elif isinstance(weights, dict):
             cfg, names = ckpt.get("model_cfg"), ckpt.get("names")
         else:
@@ -200,6 +201,14 @@ def load_model(path: str | Path, device: str | torch.device = "cpu") -> Model:
     names = list(names.values()) if isinstance(names, dict) else names
     model.names = [str(n) for n in names] if isinstance(names, list) else model.names
     return model.to(device).eval()
+
+
+def _classifier_cfg(state: dict) -> dict:
+    """A yolov5 classifier's config, which it does not pickle: yolov5n-cls.yaml at the depth and
+    width of its weights (layer 2's bottlenecks / 3, layer 0's channels / 64), and their classes."""
+    depth = len({k.split(".")[3] for k in state if k.startswith("model.2.m.")}) / 3
+    width, nc = state["model.0.conv.weight"].shape[0] / 64, len(state["model.9.linear.bias"])
+    return load_cfg("yolov5n-cls.yaml")[0] | dict(nc=nc, depth_multiple=depth, width_multiple=width)
 
 
 def _read(path: str | Path):
@@ -224,14 +233,16 @@ def _read(path: str | Path):
 
 # yolov5 pickles whole modules: only these classes are rebuilt, as plain records
 YOLOV5_CLASSES = {
-    "models.yolo": ("DetectionModel", "SegmentationModel", "Model", "Detect", "Segment"),
-    "models.common": ("Conv", "Bottleneck", "C3", "SPPF", "Concat", "Proto"),
+    "models.yolo": ("DetectionModel", "SegmentationModel", "ClassificationModel", "Model")
+    + ("Detect", "Segment"),
+    "models.common": ("Conv", "Bottleneck", "C3", "SPPF", "Concat", "Proto", "Classify"),
     "torch.nn.modules.activation": ("SiLU",),
     "torch.nn.modules.batchnorm": ("BatchNorm2d",),
     "torch.nn.modules.container": ("ModuleList", "Sequential"),
     "torch.nn.modules.conv": ("Conv2d",),
-    "torch.nn.modules.linear": ("Identity",),
-    "torch.nn.modules.pooling": ("MaxPool2d",),
+    "torch.nn.modules.dropout": ("Dropout",),
+    "torch.nn.modules.linear": ("Identity", "Linear"),
+    "torch.nn.modules.pooling": ("MaxPool2d", "AdaptiveAvgPool2d"),
     "torch.nn.modules.upsampling": ("Upsample",),
 }
 # and these are the only real globals it may name (exact names: the storages torch writes)
