@@ -277,12 +277,10 @@ class ClassifyDataset(ImageFolder):
 
     def __init__(self, root, imgsz=224, augment=False, prefix="", verbose=True):
         super().__init__(root, loader=load_rgb, allow_empty=True)  # classes: load_folder_data's
-        if augment:
-            crop = v2.RandomResizedCrop(imgsz, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3))
-            jitter = v2.RandomApply([v2.ColorJitter(0.4, 0.4, 0.4, 0.0)], p=0.5)
-            steps = [crop, v2.RandomHorizontalFlip(0.5), jitter]
-        else:
-            steps = [center_square, v2.Resize((imgsz, imgsz))]
+        crop = v2.RandomResizedCrop(imgsz, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3))
+        jitter = v2.RandomApply([v2.ColorJitter(0.4, 0.4, 0.4, 0.0)], p=0.5)
+        train = [crop, v2.RandomHorizontalFlip(0.5), jitter]
+        steps = train if augment else [center_square, v2.Resize((imgsz, imgsz))]
         self.transform = v2.Compose([*steps, v2.PILToTensor()])
         with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:  # PIL decodes without GIL
             checks = list(pool.map(lambda s: verify(s[0], ""), self.samples))  # no label file
