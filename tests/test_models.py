@@ -55,7 +55,7 @@ def test_param_counts_nc3():
 
 def test_all_shipped_configs_build():
     names = sorted(p.stem for p in CFG_DIR.glob("yolov5*.yaml"))
-    assert names == sorted(f"yolov5{s}{t}" for s in "nsmlx" for t in ("", "-seg"))
+    assert names == sorted(f"yolov5{s}{t}" for s in "nsmlx" for t in ("", "-seg", "-cls"))
     m = Model("yolov5s-seg.yaml", nc=2)
     assert m.task == "segment" and m.head.proto.cv1.conv.out_channels == 128  # 256 * 0.5
 

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import yaml
 
-from .models import Model
+from .models import Model, load_cfg
 
 RUN_ID_FILE = ".torchrun_id"  # in a run folder: the torchrun run that made it
 
@@ -212,17 +212,18 @@ def load_model(path: str | Path, device: str | torch.device = "cpu") -> Model:
         weights = ckpt.get("ema") or ckpt.get("model") if isinstance(ckpt, dict) else None
         if isinstance(weights, _Record):  # yolov5: a pickled module tree
             cfg, names = weights.__dict__.get("yaml"), weights.__dict__.get("names")
-            weights = _record_state_dict(weights)
+            kind, weights = type(weights).__name__, _record_state_dict(weights)
+            cfg = _classifier_cfg(weights) if kind == "ClassificationModel" else cfg
         elif isinstance(weights, dict):
             cfg, names = ckpt.get("model_cfg"), ckpt.get("names")
         else:
             raise CheckpointError("neither a yolo_min nor a yolov5 checkpoint")
         model = fitting_model(cfg, weights).to_empty(device=device)
         model.load_state_dict({k: v.float() for k, v in weights.items()})
-        names = list(names.values()) if isinstance(names, dict) else names
+        names = list(names.values()) if isinstance(names, dict) else names or model.names
         if not isinstance(names, list) or [type(n) for n in names] != [str] * model.nc:
             raise CheckpointError(f"its names are not {model.nc} class names")
-        model.names = names
+        model.names = names  # yolov5 classifiers pickle none: "0", "1", ...
     except Exception as e:  # whatever a crafted file leads to: one line
         raise CheckpointError(f"{path}: {_why(e)}") from None
     return model.eval()
@@ -239,6 +240,14 @@ def fitting_model(cfg, weights: dict) -> Model:
     if shapes != {k: getattr(v, "shape", None) for k, v in weights.items()}:
         raise CheckpointError("its tensors do not fit its model config")
     return model
+
+
+def _classifier_cfg(state: dict) -> dict:
+    """A yolov5 classifier's config, which it does not pickle: yolov5n-cls.yaml at the depth and
+    width of its weights (layer 2's bottlenecks / 3, layer 0's channels / 64), and their classes."""
+    depth = len({k.split(".")[3] for k in state if k.startswith("model.2.m.")}) / 3
+    width, nc = state["model.0.conv.weight"].shape[0] / 64, len(state["model.9.linear.bias"])
+    return load_cfg("yolov5n-cls.yaml")[0] | dict(nc=nc, depth_multiple=depth, width_multiple=width)
 
 
 def _read(path: str | Path):

@@ -1,4 +1,4 @@
-"""The dataset yaml, YOLODataset (mosaic or letterbox samples), collate, samplers and loaders.
+"""The data config, YOLODataset (mosaic or letterbox), ClassifyDataset, collate, samplers, loaders.
 
 File finding and label verification live in labels.py, image geometry and colour in augment.py.
 Nothing here knows about ranks: the caller passes rank, world sizes and verbose.
@@ -18,19 +18,25 @@ import torch.nn.functional as F
 import yaml
 from PIL import Image, ImageOps
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torchvision.datasets.folder import ImageFolder
+from torchvision.transforms import v2
 
 from . import shapes
 from .augment import Piece, affine_matrix, hsv_jitter, overlap_mask, place_labels, render
-from .labels import DataError, list_images, load_labels
+from .labels import CORRUPT, MAX_WARNINGS, DataError, list_images, load_labels, verify
 from .ops import box_corners, xywh2xyxy, xyxy2xywh
+
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # RGB, pixels in [0, 1]
 
 
 def load_data_config(path: str) -> dict:
-    """Dataset yaml -> {yaml_file, path, names: [str], nc, train: [str], val: [str]}. 'shapes': the
-    embedded dataset, generated on first use (under torchrun: call it on local rank 0 first)."""
+    """Dataset yaml (folder: load_folder_data) -> {yaml_file, path, names: [str], nc, train: [str],
+    val: [str]}. 'shapes', 'shapes-cls': embedded, made on first use (on local rank 0 first)."""
     p = Path(path)
+    if p.is_dir() or str(path) == "shapes-cls":
+        return load_folder_data(path)
     if str(path) in ("shapes", "shapes.yaml") and not p.exists():
-        p = shapes.ensure()
+        p = shapes.ensure() / "shapes.yaml"
     if not p.is_file():
         raise DataError(f"data yaml {path} not found")
     try:
@@ -56,6 +62,23 @@ def load_data_config(path: str) -> dict:
             if not os.path.exists(s):
                 raise DataError(f"{p}: {k} source {s} not found")
     return out
+
+
+def load_folder_data(path: str) -> dict:
+    """A classification dataset, root/train/<class>/*.jpg and root/val/<class>/ (or test/) -> {path,
+    names: train's class folders, sorted, nc, train: [folder], val: [folder]}."""
+    root = Path(path)
+    root = shapes.ensure("shapes-cls") if str(path) == "shapes-cls" and not root.exists() else root
+    train, val = root / "train", root / ("val" if (root / "val").is_dir() else "test")
+    if not (train.is_dir() and val.is_dir()):
+        raise DataError(f"{root}: a classification dataset has train/ and val/ (or test/) folders")
+    names, other = (sorted(d.name for d in os.scandir(f) if d.is_dir()) for f in (train, val))
+    if not names:
+        raise DataError(f"{train}: no class folders")
+    if names != other:
+        diff = ", ".join(sorted(set(names) ^ set(other))[:5])
+        raise DataError(f"{val}: class folders differ from train/'s (not in both: {diff})")
+    return dict(path=str(root), names=names, nc=len(names), train=[str(train)], val=[str(val)])
 
 
 def available_memory() -> int:
@@ -234,9 +257,59 @@ class YOLODataset(Dataset):
         return dict(cls=cls, boxes=boxes, polygons=[s * wh for s in segs], orig_hw=lb["shape"])
 
 
+def load_rgb(path: str) -> Image.Image:
+    """An image file as RGB, turned as its EXIF orientation says."""
+    return ImageOps.exif_transpose(Image.open(path)).convert("RGB")
+
+
+def center_square(im: Image.Image) -> Image.Image:
+    """The centred square of side min(h, w)."""
+    return v2.functional.center_crop(im, min(im.size))
+
+
+class ClassifyDataset(ImageFolder):
+    """An ImageFolder split (root/<class>/<image>, classes: the sorted folder names) as samples:
+    `image` uint8 (3, imgsz, imgsz) RGB (the network takes it / 255, normalised with IMAGENET_MEAN
+    and IMAGENET_STD), `targets` int64 (1, 1) [cls], `path`, `index`. augment: yolov5's recipe;
+    else the centre square, resized. Corrupt images are skipped, counted (`stats`) and named."""
+
+    task, rect = "classify", False
+
+    def __init__(self, root, imgsz=224, augment=False, prefix="", verbose=True):
+        super().__init__(root, loader=load_rgb, allow_empty=True)  # classes: load_folder_data's
+        crop = v2.RandomResizedCrop(imgsz, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3))
+        jitter = v2.RandomApply([v2.ColorJitter(0.4, 0.4, 0.4, 0.0)], p=0.5)
+        train = [crop, v2.RandomHorizontalFlip(0.5), jitter]
+        steps = train if augment else [center_square, v2.Resize((imgsz, imgsz))]
+        self.transform = v2.Compose([*steps, v2.PILToTensor()])
+        with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:  # PIL decodes without GIL
+            checks = list(pool.map(lambda s: verify(s[0], ""), self.samples))  # no label file
+        self.samples = [s for s, c in zip(self.samples, checks) if c[0] != CORRUPT]
+        self.imgs, self.targets = self.samples, [k for _, k in self.samples]
+        self.stats = dict(images=len(checks), corrupt=len(checks) - len(self.samples))
+        if verbose:
+            for m in [m for c in checks for m in c[3]][:MAX_WARNINGS]:
+                print(f"WARNING {prefix}{m}", flush=True)
+            print(f"{prefix}{len(checks)} images, {self.stats['corrupt']} corrupt", flush=True)
+        if not self.samples:
+            raise DataError(f"{prefix}no usable images in {root}: all are corrupt")
+
+    def __getitem__(self, key: int | tuple) -> dict:
+        """key: an index, or (seed, epoch, index) from EpochSampler, which seeds this sample's
+        augmentation (torch's random numbers, in a fork of them): the same at any worker count."""
+        i = key[2] if isinstance(key, tuple) else key
+        with torch.random.fork_rng(devices=[], enabled=isinstance(key, tuple)):
+            if isinstance(key, tuple):
+                torch.manual_seed(random.Random("%d:%d:%d" % key).getrandbits(63))
+            image, cls = super().__getitem__(i)
+        sample = dict(image=image, targets=torch.tensor([[cls]]), masks=None, shape=None, index=i)
+        return sample | dict(path=self.samples[i][0])
+
+
 def collate(samples: list[dict]) -> dict:
-    """Samples -> batch: images uint8 (bs,3,H,W); targets float32 (N,6) [image, cls, cx, cy, w, h];
-    masks float32 (bs,H/4,W/4) or None; paths; shapes; indices int64 (bs,)."""
+    """Samples -> batch: images uint8 (bs,3,H,W); targets float32 (N,6) [image, cls, cx, cy, w, h]
+    (ClassifyDataset's: int64 (bs,2) [image, cls]); masks float32 (bs,H/4,W/4) or None; paths;
+    shapes; indices int64 (bs,)."""
     images = torch.stack([s["image"] for s in samples])
     targets = torch.cat([F.pad(s["targets"], (1, 0), value=k) for k, s in enumerate(samples)])
     masks = [s["masks"] for s in samples]

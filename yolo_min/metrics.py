@@ -1,4 +1,5 @@
-"""Detection and segmentation metrics computed exactly as pycocotools' COCOeval does.
+"""Detection and segmentation metrics computed exactly as pycocotools' COCOeval does, and top-k
+accuracy for classification (class_records, summarize_classes).
 
 Per image, `match_predictions` matches detections to ground truth greedily in score order at each
 IoU threshold (boxes and masks alike), giving a small record keyed by dataset index. The entry
@@ -105,7 +106,9 @@ def ap_per_class(tp: np.ndarray, conf: np.ndarray, pred_cls: np.ndarray, gt_cls)
 
 
 def metric_names(kinds: tuple[str, ...]) -> list[str]:
-    """The names summarize gives the metrics of these kinds ("box", "mask")."""
+    """Names of the metrics summarize gives kinds ("box", "mask"), summarize_classes ("class")."""
+    if kinds == ("class",):
+        return ["top1_acc", "top5_acc"]
     return [f"{m}({SUFFIX[k]})" for k in kinds for m in ("P", "R", "mAP50", "mAP50-95")]
 
 
@@ -142,6 +145,32 @@ def summarize(records: list[dict], kinds: tuple[str, ...] = ("box",)) -> dict:
         "images": images,
         "instances": instances,
     }
+    return out | {"per_class": rows}
+
+
+def class_records(indices, scores, labels) -> list[dict]:
+    """What top-k accuracy needs from a batch: per image {"index" (its dataset index), "label",
+    "top5" (the min(5, nc) best classes, best first)}. scores (bs, nc): float logits or
+    probabilities on the CPU; indices, labels (bs,)."""
+    top5 = np.argsort(-np.asarray(scores, np.float64), 1, kind="stable")[:, :5]
+    return [{"index": int(i), "label": int(c), "top5": t} for i, c, t in zip(indices, labels, top5)]
+
+
+def summarize_classes(records: list[dict]) -> dict:
+    """Top-1 and top-5 accuracy (1 when nc < 5, as yolov5's) of all images' class_records, in the
+    shape of summarize's: {"metrics": {"top1_acc", "top5_acc"}, "fitness" (top1_acc), "images",
+    "per_class": [{"class", "images", "top1_acc", "top5_acc"}]} for the classes in the labels."""
+    labels = np.array([r["label"] for r in records], np.int64)
+    hits = np.array([[r["top5"][0] == r["label"], r["label"] in r["top5"]] for r in records])
+
+    def accuracy(h: np.ndarray) -> dict:
+        top1, top5 = h.reshape(-1, 2).mean(0) if len(h) else (0.0, 0.0)
+        return {"top1_acc": float(top1), "top5_acc": float(top5)}
+
+    rows = [{"class": int(c), "images": int((labels == c).sum())} for c in np.unique(labels)]
+    rows = [row | accuracy(hits[labels == row["class"]]) for row in rows]
+    metrics = accuracy(hits)
+    out = {"metrics": metrics, "fitness": metrics["top1_acc"], "images": len(records)}
     return out | {"per_class": rows}
 
 

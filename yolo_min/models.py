@@ -1,4 +1,4 @@
-"""YOLOv5 detection and segmentation networks, built from yolov5-style yaml configs.
+"""YOLOv5 detection, segmentation and classification networks, built from yolov5-style yaml configs.
 
 Parameter and buffer names equal yolov5's, so a yolov5 state_dict loads with strict=True.
 Also holds `ModelEMA`, the moving average of the weights that training validates and saves.
@@ -154,9 +154,28 @@ class Segment(Detect):
         return super().forward(xs), self.proto(xs[0])
 
 
+class Classify(nn.Module):
+    """yolov5's classification head: 1x1 Conv to 1280 channels, global average pool, dropout and
+    Linear: (bs, c1, h, w) -> logits (bs, nc), in train and eval mode (softmax: the user's)."""
+
+    stride = torch.tensor([32.0])  # of the backbone's last map, as yolov5's classifiers keep it
+
+    def __init__(self, c1: int, nc: int = 1000, dropout: float = 0.0):
+        super().__init__()
+        self.nc = nc
+        self.conv = Conv(c1, 1280)  # EfficientNet-B0's head width
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.drop = nn.Dropout(dropout, inplace=True)
+        self.linear = nn.Linear(1280, nc)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(self.drop(self.pool(self.conv(x)).flatten(1)))
+
+
 # The only names a config may use: a table, never eval().
 MODULES = {"Conv": Conv, "C3": C3, "SPPF": SPPF, "Concat": Concat, "Upsample": nn.Upsample}
-MODULES |= {"nn.Upsample": nn.Upsample, "Detect": Detect, "Segment": Segment}
+MODULES |= {"nn.Upsample": nn.Upsample, "Detect": Detect, "Segment": Segment, "Classify": Classify}
+TASKS = {Detect: "detect", Segment: "segment", Classify: "classify"}  # from the last layer's type
 
 
 def make_divisible(x: float, divisor: int = 8) -> int:
@@ -179,13 +198,13 @@ def load_cfg(cfg: str | Path | dict) -> tuple[dict, str]:
 
 # What a config may hold, checked before anything is built (a checkpoint's config is untrusted)
 MAX_LAYERS, MAX_REPEATS, MAX_NUMBER = 50, 16, 10_000  # yolov5x: 10 + 15 layers, repeats <= 12
-CFG_CHECKS = {  # the first six are required
+CFG_CHECKS = {  # the first five are required (anchors too with a Detect or Segment head)
     "nc": lambda v: type(v) is int and 0 < v <= MAX_NUMBER,
     "depth_multiple": lambda v: _number(v, 0, 4) and v > 0,
     "width_multiple": lambda v: _number(v, 0, 4) and v > 0,
-    "anchors": lambda v: _rows(v, 8) and all(_rows(r, 20) and all(map(_number, r)) for r in v),
     "backbone": lambda v: _rows(v, MAX_LAYERS),
     "head": lambda v: _rows(v, MAX_LAYERS),
+    "anchors": lambda v: _rows(v, 8) and all(_rows(r, 20) and all(map(_number, r)) for r in v),
     "ch": lambda v: v == 3,
     "names": lambda v: isinstance(v, list) and all(isinstance(n, str) for n in v),
 }
@@ -208,7 +227,7 @@ def _short(x) -> str:
 def check_cfg(d, where: str) -> None:
     """ValueError unless d is a model config of sane size (CFG_CHECKS): the keys above with values
     of their types, nc in [1, MAX_NUMBER], multiples in (0, 4], 1-8 rows of anchors."""
-    if missing := [k for k in list(CFG_CHECKS)[:6] if not isinstance(d, dict) or k not in d]:
+    if missing := [k for k in list(CFG_CHECKS)[:5] if not isinstance(d, dict) or k not in d]:
         raise ValueError(f"{where}: missing key '{missing[0]}'")
     if bad := [k for k in d if k not in CFG_CHECKS or not CFG_CHECKS[k](d[k])]:
         why = "is out of range or of the wrong type (or an unknown key)"
@@ -220,7 +239,7 @@ def parse_model(d: dict, ch: int, where: str) -> tuple[nn.Sequential, list[int]]
     the indices of layers whose outputs are reused later."""
     check_cfg(d, where)
     depth, width = d["depth_multiple"], d["width_multiple"]
-    symbols = {"nc": d["nc"], "anchors": d["anchors"], "None": None}
+    symbols = {"nc": d["nc"], "anchors": d.get("anchors"), "None": None}
     layers, reused, chs = [], [], [ch]  # chs[0] is the image's
     for i, row in enumerate(d["backbone"] + d["head"]):
         if not (isinstance(row, list) and len(row) == 4):
@@ -252,7 +271,11 @@ def parse_model(d: dict, ch: int, where: str) -> tuple[nn.Sequential, list[int]]
                     args, n = [*args[:2], n, *args[2:]], 1
             elif m is Concat:
                 c_out = sum(c_in)
+            elif m is Classify:
+                args = [c_in[0], *args]
             elif m in (Detect, Segment):
+                if "anchors" not in d:
+                    raise ValueError("missing key 'anchors'")
                 if m is Segment:
                     args[3] = make_divisible(args[3] * width)
                 args.append(c_in)
@@ -269,8 +292,9 @@ def parse_model(d: dict, ch: int, where: str) -> tuple[nn.Sequential, list[int]]
 class Model(nn.Module):
     """A YOLOv5 network from a cfg (a shipped config's bare name, a path or a dict).
 
-    Input: float images (bs, 3, H, W) in [0, 1], H and W multiples of 32.
-    Output: the head's (Detect / Segment). `task` is "detect" or "segment", from the head.
+    Input: float images (bs, 3, H, W), H and W multiples of 32: in [0, 1] (detect, segment), or
+    normalised with ImageNet's mean and std (classify). Output: the head's (Detect / Segment /
+    Classify). `task` is "detect", "segment" or "classify", from the head.
     """
 
     def __init__(self, cfg: str | Path | dict = "yolov5n.yaml", nc: int | None = None):
@@ -280,33 +304,35 @@ class Model(nn.Module):
             self.yaml["nc"] = nc
         self.model, self.reused = parse_model(self.yaml, 3, where)
         head = self.head
-        if not isinstance(head, Detect):
-            raise ValueError(f"{where}: the last layer must be Detect or Segment")
-        self.task = "segment" if isinstance(head, Segment) else "detect"
+        if type(head) not in TASKS:
+            raise ValueError(f"{where}: the last layer must be Detect, Segment or Classify")
+        self.task = TASKS[type(head)]
         self.names = self.yaml.get("names") or [str(i) for i in range(head.nc)]
         self.cfg_name = Path(where).stem
-        s = 256  # strides from one dummy pass; then the anchors in grid units
-        with torch.no_grad():
-            out = self.forward(torch.zeros(1, 3, s, s))
-        maps = out[0] if self.task == "segment" else out
-        head.stride = torch.tensor([s / x.shape[-3] for x in maps], device="cpu")  # also on meta
-        head.anchors /= head.stride.view(-1, 1, 1)
-        for m in self.modules():
+        if self.task != "classify":  # strides from one dummy pass; then the anchors in grid units
+            s = 256
+            with torch.no_grad():
+                out = self.forward(torch.zeros(1, 3, s, s))
+            maps = out[0] if self.task == "segment" else out
+            head.stride = torch.tensor([s / x.shape[-3] for x in maps], device="cpu")  # also meta
+            head.anchors /= head.stride.view(-1, 1, 1)
+            for conv, stride in zip(head.m, head.stride):  # priors: ~8 objects per 640 px, 0.6/nc
+                b = conv.bias.data.view(head.na, -1)
+                b[:, 4] += math.log(8 / (640 / stride) ** 2)
+                b[:, 5 : 5 + head.nc] += math.log(0.6 / (head.nc - 0.99999))
+        # yolov5 builds its Classify after setting these: the head keeps torch's BN defaults
+        for m in (self.model[:-1] if self.task == "classify" else self).modules():
             if isinstance(m, nn.BatchNorm2d):
                 m.eps, m.momentum = 1e-3, 0.03
-        for conv, stride in zip(head.m, head.stride):  # priors: ~8 objects per 640 image, 0.6/nc
-            b = conv.bias.data.view(head.na, -1)
-            b[:, 4] += math.log(8 / (640 / stride) ** 2)
-            b[:, 5 : 5 + head.nc] += math.log(0.6 / (head.nc - 0.99999))
 
     @property
-    def head(self) -> Detect:
-        """The Detect or Segment layer."""
+    def head(self) -> Detect | Classify:
+        """The Detect, Segment or Classify layer."""
         return self.model[-1]
 
     @property
     def stride(self) -> torch.Tensor:
-        """Strides of the head's levels, float (nl,): [8, 16, 32]."""
+        """Strides of the head's levels, float (nl,): [8, 16, 32] ([32] for Classify's input)."""
         return self.head.stride
 
     @property

@@ -3,6 +3,7 @@
 512 train / 64 val JPEGs (128 x 128 px), each with 1 to 4 non-overlapping filled circles, rectangles
 and triangles (each class in its own band of hues) on a noisy background, labelled with the exact
 drawn polygons: a YOLOv5n learns it on a CPU in minutes (README: mAP50 > 0.9 in 30 epochs).
+shapes-cls, for classification: single shapes cut from more such scenes, in an ImageFolder.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 NAMES = ["circle", "rectangle", "triangle"]
-VERSION = 4  # bump when the generated content changes: the cache folder is shapes-v{VERSION}
+VERSION = 4  # bump when the generated content changes: the cache folders are <kind>-v{VERSION}
 N_TRAIN, N_VAL, SIZE = 512, 64, 128
+N_CLS_TRAIN, N_CLS_VAL = 1200, 300
 HUE_SPREAD = 0.2  # class k's hues: k/3 +- this (fraction of the colour wheel)
 
 
@@ -77,17 +79,31 @@ def generate(root: Path, n_train=N_TRAIN, n_val=N_VAL, size=SIZE, seed=0) -> Pat
     return root / "shapes.yaml"
 
 
-def ensure() -> Path:
-    """Path of shapes.yaml in $YOLO_MIN_CACHE (default ~/.cache/yolo_min), generating the dataset
-    first if absent (built aside, then renamed)."""
+def generate_cls(root: Path, n_train=N_CLS_TRAIN, n_val=N_CLS_VAL, seed=1) -> None:
+    """Write {train,val}/<class>/*.jpg under root: the first shape of a new scene, cut out with
+    margins of 20% of its longer side (a square unless at the scene's edge), neighbours and all."""
+    rng = np.random.default_rng(seed)
+    for split, n in (("train", n_train), ("val", n_val)):
+        for name in NAMES:
+            (root / split / name).mkdir(parents=True)
+        for i in range(n):
+            im, ((k, poly), *_) = make_image(rng)
+            c, half = (poly.min(0) + poly.max(0)) / 2, 0.6 * np.ptp(poly, 0).max()
+            box = tuple(np.clip([*(c - half), *(c + half)], 0, SIZE).tolist())
+            im.crop(box).save(root / split / NAMES[k] / f"{i:06d}.jpg", quality=92)
+
+
+def ensure(kind: str = "shapes") -> Path:
+    """The folder of "shapes" (shapes.yaml in it) or "shapes-cls" in $YOLO_MIN_CACHE (default
+    ~/.cache/yolo_min), generating the dataset first if absent (built aside, then renamed)."""
     cache = os.environ.get("YOLO_MIN_CACHE") or Path.home() / ".cache" / "yolo_min"
-    root = Path(cache) / f"shapes-v{VERSION}"
-    if not (root / "shapes.yaml").is_file():
+    root = Path(cache) / f"{kind}-v{VERSION}"
+    if not root.is_dir():
         tmp = root.with_name(f".{root.name}.{os.getpid()}.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        generate(tmp)
+        (generate_cls if kind == "shapes-cls" else generate)(tmp)
         try:
             os.rename(tmp, root)
         except OSError:  # another process finished first
             shutil.rmtree(tmp, ignore_errors=True)
-    return root / "shapes.yaml"
+    return root

@@ -1,0 +1,221 @@
+"""Classification: YOLOv5-cls models against yolov5 fixtures, the yolov5 classifier import, the
+ImageFolder data (errors, corrupt images, transforms, per-sample seeding), top-k metrics, and the
+embedded shapes-cls dataset."""
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from yolo_min import shapes
+from yolo_min.checkpoint import load_model
+from yolo_min.datasets import ClassifyDataset, build_dataloader, load_data_config
+from yolo_min.labels import DataError
+from yolo_min.metrics import class_records, merge_records, metric_names, summarize_classes
+from yolo_min.models import Classify, Model
+
+ATOL = 1e-4
+
+
+# ---------------------------------------------------------------- models
+@pytest.mark.parametrize(
+    "size, params",
+    [("n", 2_493_000), ("s", 5_453_480), ("m", 12_957_640), ("l", 26_552_680), ("x", 48_097_160)],
+)
+def test_cls_cfgs(size, params):
+    model = Model(f"yolov5{size}-cls.yaml")  # nc 1000, as yolov5's ImageNet classifiers
+    assert model.task == "classify" and model.nc == 1000 and isinstance(model.head, Classify)
+    assert sum(p.numel() for p in model.parameters()) == params
+    assert int(model.stride.max()) == 32
+
+
+def test_fixture_parity(fixtures_dir):
+    fx = torch.load(fixtures_dir / "yolov5n-cls_model.pt", weights_only=True)
+    model = Model("yolov5n-cls.yaml", nc=10)
+    assert sum(p.numel() for p in model.parameters()) == fx["param_count"] == 1_224_810
+    model.load_state_dict(fx["state_dict"], strict=True)
+    head_bn, backbone_bn = model.head.conv.bn, model.model[8].cv3.bn
+    assert (head_bn.eps, head_bn.momentum) == (fx["head_bn"]["eps"], fx["head_bn"]["momentum"])
+    assert (
+        (backbone_bn.eps, backbone_bn.momentum) == (1e-3, 0.03) == tuple(fx["backbone_bn"].values())
+    )
+    bns = [m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    assert sum(m.eps == 1e-5 for m in bns) == 1  # only the head's keeps torch's default
+    with torch.no_grad():
+        logits = model.eval()(fx["input"])  # eval: logits, as yolov5 (softmax is the caller's)
+        torch.testing.assert_close(logits, fx["eval_logits"], atol=ATOL, rtol=1e-6)
+        assert model.train()(fx["input"]).shape == (2, 10)
+
+
+def test_yolov5_classifier_import(fixtures_dir):
+    """yolov5 pickles the classifier without a config: it is derived from the weights."""
+    model = load_model(fixtures_dir / "yolov5n-cls_v5format.pt")
+    fx = torch.load(fixtures_dir / "yolov5n-cls_v5format_expected.pt", weights_only=True)
+    assert model.task == "classify" and model.nc == 10 and not model.training
+    assert (model.yaml["depth_multiple"], model.yaml["width_multiple"]) == (1 / 3, 0.25)
+    with torch.no_grad():
+        torch.testing.assert_close(model(fx["input"]), fx["eval_logits"], atol=ATOL, rtol=1e-6)
+
+
+def test_cfg_derived_for_every_size():
+    from yolo_min.checkpoint import _classifier_cfg
+
+    for size in "mx":  # depth 2/3 and 4/3, width 0.75 and 1.25
+        state = Model(f"yolov5{size}-cls.yaml", nc=7).state_dict()
+        Model(_classifier_cfg(state)).load_state_dict(state, strict=True)
+
+
+def test_detector_weights_initialise_the_backbone(fixtures_dir):
+    """train.py's --weights transfer (every tensor whose name and shape fit) takes a detector's
+    layers 0-8 into a classifier, and nothing of its head."""
+    src = torch.load(fixtures_dir / "yolov5n_model.pt", weights_only=True)["state_dict"]
+    model = Model("yolov5n-cls.yaml", nc=3)
+    have = model.state_dict()
+    keep = {k: v for k, v in src.items() if k in have and v.shape == have[k].shape}
+    assert set(keep) == {k for k in have if int(k.split(".")[1]) <= 8}
+    model.load_state_dict(keep, strict=False)
+    assert torch.equal(model.model[8].cv3.conv.weight, src["model.8.cv3.conv.weight"])
+
+
+# ---------------------------------------------------------------- data
+def make_folder(root, splits=("train", "val"), classes=("a", "b"), n=3, size=(40, 24)):
+    """root/<split>/<class>/<i>.jpg: flat colours, class a red, b green."""
+    for split in splits:
+        for k, c in enumerate(classes):
+            (root / split / c).mkdir(parents=True)
+            for i in range(n):
+                colour = (200, 40, 10 * i) if k == 0 else (40, 200, 10 * i)
+                Image.new("RGB", size, colour).save(root / split / c / f"{i}.jpg")
+    return root
+
+
+def test_folder_data_config(tmp_path):
+    data = load_data_config(str(make_folder(tmp_path / "ok")))
+    assert data["names"] == ["a", "b"] and data["nc"] == 2
+    assert data["train"] == [str(tmp_path / "ok" / "train")]
+    assert data["val"] == [str(tmp_path / "ok" / "val")]
+    test = load_data_config(str(make_folder(tmp_path / "t", ("train", "test"))))
+    assert test["val"] == [str(tmp_path / "t" / "test")]  # no val/: test/
+    with pytest.raises(DataError, match="noval: a classification dataset has train/ and val/"):
+        load_data_config(str(make_folder(tmp_path / "noval", ("train",))))
+    with pytest.raises(DataError, match="notrain: a classification dataset has train/"):
+        load_data_config(str(make_folder(tmp_path / "notrain", ("val",))))
+    root = make_folder(tmp_path / "diff")
+    (root / "val" / "b").rename(root / "val" / "c")
+    with pytest.raises(DataError, match="val: class folders differ from train/'s .*: b, c\\)"):
+        load_data_config(str(root))
+    empty = tmp_path / "empty"
+    for split in ("train", "val"):
+        (empty / split).mkdir(parents=True)
+    with pytest.raises(DataError, match="empty/train: no class folders"):
+        load_data_config(str(empty))
+
+
+def test_corrupt_images_skipped_and_counted(tmp_path, capsys):
+    root = make_folder(tmp_path, n=3)
+    (root / "train" / "a" / "zero.jpg").write_bytes(b"")
+    good = (root / "train" / "b" / "0.jpg").read_bytes()
+    (root / "train" / "b" / "trunc.jpg").write_bytes(good[: len(good) // 2])
+    ds = ClassifyDataset(root / "train", imgsz=32, prefix="train: ")
+    assert ds.stats == {"images": 8, "corrupt": 2} and len(ds) == 6
+    assert ds.classes == ["a", "b"] and ds.targets == [0, 0, 0, 1, 1, 1]
+    out = capsys.readouterr().out
+    assert "WARNING train: " in out and "zero.jpg: empty (0-byte) file; image skipped" in out
+    assert "trunc.jpg: corrupt image" in out and "train: 8 images, 2 corrupt" in out
+    ClassifyDataset(root / "train", imgsz=32, verbose=False)
+    assert capsys.readouterr().out == ""
+    for f in (root / "val" / "a").iterdir():
+        f.write_bytes(b"")
+    for f in (root / "val" / "b").iterdir():
+        f.write_bytes(b"")
+    with pytest.raises(DataError, match="no usable images .*: all are corrupt"):
+        ClassifyDataset(root / "val", verbose=False)
+
+
+def test_transforms(tmp_path):
+    root = tmp_path / "d"
+    (root / "x").mkdir(parents=True)
+    im = np.zeros((40, 100, 3), np.uint8)  # a white centre square between black sides
+    im[:, 30:70] = 255
+    Image.fromarray(im).save(root / "x" / "0.png")
+    val = ClassifyDataset(root, imgsz=32, verbose=False)
+    s = val[0]
+    assert s["image"].shape == (3, 32, 32) and s["image"].dtype == torch.uint8
+    assert s["image"].min() == 255  # the centre square of side min(h, w), resized
+    assert s["targets"].tolist() == [[0]] and s["index"] == 0 and s["path"].endswith("0.png")
+    train = ClassifyDataset(root, imgsz=48, augment=True, verbose=False)
+    crops = [train[(i, 0, 0)]["image"] for i in range(3)] + [train[(0, 1, 0)]["image"]]
+    assert all(c.shape == (3, 48, 48) and c.dtype == torch.uint8 for c in crops)
+    state = torch.get_rng_state()
+    assert torch.equal(train[(0, 1, 0)]["image"], crops[3])  # seeded by (seed, epoch, index)
+    assert torch.equal(torch.get_rng_state(), state)  # in a fork: the caller's RNG is untouched
+    assert not torch.equal(crops[0], crops[3])  # another epoch, another crop
+
+
+def test_batches_do_not_depend_on_workers(tmp_path):
+    root = make_folder(tmp_path, n=5)
+    ds = ClassifyDataset(root / "train", imgsz=32, augment=True, verbose=False)
+
+    def batches(workers, seed=0, rank=0, world=1):
+        kw = dict(shuffle=True, rank=rank, world_size=world, seed=seed)
+        loader, sampler = build_dataloader(ds, 4, workers, **kw)
+        sampler.set_epoch(2)
+        return [(b["indices"], b["images"], b["targets"]) for b in loader]
+
+    a = batches(0)
+    assert all(torch.equal(t[:, 0], torch.arange(len(t))) for _, _, t in a)  # [image, cls]
+    assert all(torch.equal(t[:, 1], (i >= 5).long()) for i, _, t in a)
+    for b in (batches(2), batches(0)):
+        assert all(all(map(torch.equal, x, y)) for x, y in zip(a, b))
+    assert not all(torch.equal(x[1], y[1]) for x, y in zip(a, batches(0, seed=1)))
+    two = batches(0, rank=0, world=2) + batches(0, rank=1, world=2)
+    one = {int(i): im for idx, ims, _ in a for i, im in zip(idx, ims)}
+    assert all(torch.equal(one[int(i)], im) for idx, ims, _ in two for i, im in zip(idx, ims))
+
+
+# ---------------------------------------------------------------- metrics
+def test_topk_accuracy():
+    scores = torch.tensor(
+        [
+            [0.9, 0.1, 0.0, 0.0, 0.0, 0.0],  # label 0: top-1 right
+            [0.0, 0.1, 0.2, 0.3, 0.4, 0.5],  # label 1: 5th best: top-5 right, top-1 wrong
+            [0.0, 0.6, 0.2, 0.3, 0.4, 0.5],  # label 0: last: both wrong
+            [0.1, 0.2, 0.3, 0.4, 0.5, 0.6],  # label 5: top-1 right
+        ]
+    )
+    records = class_records([7, 3, 5, 1], scores, [0, 1, 0, 5])
+    assert records[1]["top5"].tolist() == [5, 4, 3, 2, 1]
+    res = summarize_classes(records)
+    assert res["metrics"] == {"top1_acc": 0.5, "top5_acc": 0.75} and res["fitness"] == 0.5
+    assert res["images"] == 4 and list(res["metrics"]) == metric_names(("class",))
+    assert res["per_class"] == [
+        {"class": 0, "images": 2, "top1_acc": 0.5, "top5_acc": 0.5},
+        {"class": 1, "images": 1, "top1_acc": 0.0, "top5_acc": 1.0},
+        {"class": 5, "images": 1, "top1_acc": 1.0, "top5_acc": 1.0},
+    ]
+    # shards merged by dataset index (duplicates once) equal one process
+    merged = merge_records([records[::2], records[1::2] + records[:1]])
+    assert [r["index"] for r in merged] == [1, 3, 5, 7] and summarize_classes(merged) == res
+    few = summarize_classes(class_records([0, 1], [[0.2, 0.8], [0.3, 0.7]], [0, 1]))
+    assert few["metrics"] == {"top1_acc": 0.5, "top5_acc": 1.0}  # nc < 5: top-5 is 1
+    assert summarize_classes([])["metrics"] == {"top1_acc": 0.0, "top5_acc": 0.0}
+
+
+# ---------------------------------------------------------------- embedded shapes-cls
+def test_shapes_cls(tmp_path, monkeypatch):
+    for d in ("a", "b"):
+        shapes.generate_cls(tmp_path / d, n_train=9, n_val=3, seed=2)
+    files = sorted(p.relative_to(tmp_path / "a") for p in (tmp_path / "a").rglob("*.jpg"))
+    assert len(files) == 12 and {f.parts[1] for f in files} <= set(shapes.NAMES)
+    assert all(
+        (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes() for f in files
+    )
+    assert sorted(p.name for p in (tmp_path / "a" / "val").iterdir()) == shapes.NAMES
+    real = shapes.generate_cls
+    monkeypatch.setattr(shapes, "generate_cls", lambda root: real(root, 30, 6))
+    monkeypatch.setenv("YOLO_MIN_CACHE", str(tmp_path / "cache"))
+    data = load_data_config("shapes-cls")
+    assert data["names"] == ["circle", "rectangle", "triangle"] and data["nc"] == 3
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [f"shapes-cls-v{shapes.VERSION}"]
+    ds = ClassifyDataset(data["train"][0], imgsz=32, verbose=False)
+    assert len(ds) == 30 and ds.stats["corrupt"] == 0 and set(ds.targets) == {0, 1, 2}
