@@ -20,7 +20,8 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from PIL import Image, ImageOps
+import torchvision.transforms.v2.functional as TF
+from PIL import Image, ImageDraw, ImageOps
 from torch.utils.data import DataLoader, Dataset
 
 from val import cli, now, parse_kwargs, preprocess
@@ -71,8 +72,8 @@ class Images(Dataset):
     k: {"index": k, "path" (None in memory), "image" uint8 (h, w, 3) RGB, EXIF orientation applied,
     "input" uint8 (3, H, W), "ratio_pad"}; an unreadable image: {"index", "path", "error"}."""
 
-    def __init__(self, images: list, imgsz: int, stride: int):
-        self.images, self.imgsz, self.stride = images, imgsz, stride
+    def __init__(self, images: list, imgsz: int, stride: int, classify: bool = False):
+        self.images, self.imgsz, self.stride, self.classify = images, imgsz, stride, classify
 
     def __len__(self) -> int:
         return len(self.images)
@@ -88,7 +89,11 @@ class Images(Dataset):
                 raise ValueError(f"an array of {image.dtype} {tuple(image.shape)}, not uint8 RGB")
         except Exception as e:  # missing, unreadable, not an image, truncated, ...
             return dict(index=k, path=path, error=f"{type(e).__name__}: {e}")
-        canvas, ratio_pad = letterbox(image, self.imgsz, self.stride)
+        if self.classify:  # the centred square, resized (ClassifyDataset's validation input)
+            square = TF.center_crop(image.permute(2, 0, 1), min(image.shape[:2]))
+            canvas, ratio_pad = TF.resize(square, [self.imgsz] * 2), None
+        else:
+            canvas, ratio_pad = letterbox(image, self.imgsz, self.stride)
         return dict(index=k, path=path, image=image, input=canvas, ratio_pad=ratio_pad)
 
 
@@ -115,23 +120,27 @@ def stream(model, images, imgsz=640, batch_size=1, workers=0, polygons=False, **
     polygons, for segment, "polygons": each mask's largest outer polygon (k, 2) [x, y] in pixels),
     or for an unreadable image {"index", "path", "error"}. workers: processes decoding images."""
     device, stride = next(model.parameters()).device, int(model.stride.max())
-    nm = model.head.nm if model.task == "segment" else 0
-    data = Images(images, make_divisible(imgsz, stride), stride)
+    nm, classify = model.head.nm if model.task == "segment" else 0, model.task == "classify"
+    data = Images(images, make_divisible(imgsz, stride), stride, classify)
     for group in by_shape(DataLoader(data, batch_size=None, num_workers=workers), batch_size):
         if "error" in group[0]:
             yield group[0]
             continue
         t0 = now(device)
-        x = preprocess(torch.stack([s["input"] for s in group]), device)
+        x = preprocess(torch.stack([s["input"] for s in group]), device, classify)
         t1 = now(device)
         out = model(x)  # the forward pass
         preds, protos = out if nm else (out, [None] * len(x))
         t2 = now(device)
-        dets = ops.non_max_suppression(preds.float(), nm=nm, **(PREDICT_NMS | nms))
+        if classify:  # class probabilities, in place of detections
+            dets = [dict(probs=p) for p in preds.float().softmax(1).cpu()]
+        else:
+            dets = ops.non_max_suppression(preds.float(), nm=nm, **(PREDICT_NMS | nms))
         speed = np.array([t1 - t0, t2 - t1, now(device) - t2]) * 1000 / len(group)
         for s, det, proto in zip(group, dets, protos):
             res = {k: s[k] for k in ("index", "path", "image")} | dict(names=model.names)
-            yield res | dict(speed=speed) | to_original(det, proto, s, x.shape[2:], polygons)
+            out = det if classify else to_original(det, proto, s, x.shape[2:], polygons)
+            yield res | dict(speed=speed) | out
 
 
 def to_original(det, protos, sample: dict, input_hw, polygons: bool) -> dict:
@@ -155,8 +164,20 @@ def predict(model, images: list, **options) -> list[dict]:
     return sorted(stream(model, images, **options), key=lambda r: r["index"])
 
 
+def top5(result: dict) -> list[tuple[int, float]]:
+    """A classifier's result: its 5 likeliest (class, probability), likeliest first."""
+    probs = result["probs"]
+    return [(int(c), float(probs[c])) for c in probs.argsort(descending=True)[:5]]
+
+
 def draw(result: dict, line_width=None, labels=True, conf=True) -> Image.Image:
-    """A result pictured as yolov5 does: masks blended in, boxes labelled "name conf"."""
+    """A result pictured as yolov5 does: masks blended in, boxes labelled "name conf" (classify:
+    the top-5 "name probability" lines in the corner)."""
+    if "probs" in result:
+        picture = Image.fromarray(result["image"].numpy())
+        text = "\n".join(f"{result['names'][c]} {p:.2f}" for c, p in top5(result))
+        ImageDraw.Draw(picture).multiline_text((8, 8), text, fill=(255, 255, 255))
+        return picture
     image, boxes = result["image"].permute(2, 0, 1), result["boxes"]
     width = line_width or max(round(sum(image.shape[1:]) / 2 * 0.003), 2)
     cls, scores = boxes[:, 5].long().tolist(), boxes[:, 4].tolist() if conf else None
@@ -167,7 +188,10 @@ def draw(result: dict, line_width=None, labels=True, conf=True) -> Image.Image:
 
 def label_lines(result: dict, conf: bool) -> str:
     """yolov5's --save-txt lines, lowest confidence first: detect `cls xc yc w h [conf]`, segment
-    `cls x1 y1 x2 y2 ... [conf]` (the mask's largest outer polygon), normalised to the image."""
+    `cls x1 y1 x2 y2 ... [conf]` (the mask's largest outer polygon), normalised to the image;
+    classify `prob name`, the top 5, likeliest first."""
+    if "probs" in result:
+        return "".join(f"{p:.2f} {result['names'][c]}\n" for c, p in top5(result))
     h, w = result["image"].shape[:2]
     boxes, masks, lines = result["boxes"].numpy(), result["masks"], []
     for k in reversed(range(len(boxes))):
@@ -182,22 +206,25 @@ def label_lines(result: dict, conf: bool) -> str:
 
 def json_entry(result: dict) -> dict:
     """An image for --save-json: file, size, and per detection class id and name, confidence, box
-    xyxy (original pixels) and, for segment, the mask as COCO RLE."""
+    xyxy (original pixels) and, for segment, the mask as COCO RLE (classify: the top 5 classes)."""
+    h, w = result["image"].shape[:2]
+    if "probs" in result:
+        top = [dict(class_id=c, name=result["names"][c], confidence=p) for c, p in top5(result)]
+        return dict(file=result["path"], width=w, height=h, classes=top)
     dets, masks, names = [], result["masks"], result["names"]
     for k, (*box, conf, c) in enumerate(result["boxes"].tolist()):
         det = dict(class_id=int(c), name=names[int(c)], confidence=round(conf, 5), box=box)
         dets.append(det | ({"mask": ops.rle_encode(masks[k])} if masks is not None else {}))
-    h, w = result["image"].shape[:2]
     return dict(file=result["path"], width=w, height=h, detections=dets)
 
 
 def save(result: dict, save_dir: Path, args) -> None:
     """An image's outputs: its drawing, labels/<stem>.txt (if it has detections) and crops."""
-    path, boxes = Path(result["path"]), result["boxes"]
+    path, boxes = Path(result["path"]), result.get("boxes", torch.zeros(0, 6))
     if not args.nosave:
         picture = draw(result, args.line_width, not args.hide_labels, not args.hide_conf)
         picture.save(save_dir / path.name)
-    if args.save_txt and len(boxes):
+    if args.save_txt and (len(boxes) or "probs" in result):
         (save_dir / "labels" / f"{path.stem}.txt").write_text(label_lines(result, args.save_conf))
     for k, (x1, y1, x2, y2, _, c) in enumerate(boxes.tolist() if args.save_crop else []):
         crop = save_dir / "crops" / result["names"][int(c)] / f"{path.stem}_{k}.jpg"
@@ -268,7 +295,7 @@ def main(args: argparse.Namespace) -> dict:
                 skipped += 1
                 continue
             save(r, save_dir, args)
-            seen, n_det, speed = seen + 1, n_det + len(r["boxes"]), speed + r["speed"]
+            seen, n_det, speed = seen + 1, n_det + len(r.get("boxes", ())), speed + r["speed"]
             if args.save_json:
                 entries.append((info.rank + r["index"] * info.world_size, json_entry(r)))
         ranks = dist.all_gather_object((seen, skipped, n_det, speed, entries))

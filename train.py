@@ -1,4 +1,4 @@
-"""Train a YOLOv5 detection or segmentation model, in one process or many under torchrun.
+"""Train a YOLOv5 detection, segmentation or classification model, in one process or many.
 
     python train.py --cfg yolov5n-seg.yaml --data coco128-seg.yaml --epochs 100 --imgsz 640
     torchrun --standalone --nproc_per_node 4 train.py --data coco.yaml --batch-size 64  # global
@@ -33,14 +33,25 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from val import evaluate, format_table, parse_kwargs, preprocess
 from yolo_min import checkpoint, dist
 from yolo_min.anchors import check_anchors
-from yolo_min.datasets import YOLODataset, build_dataloader, load_data_config
-from yolo_min.losses import YOLOLoss, scale_hyp
-from yolo_min.metrics import metric_names
+from yolo_min.datasets import (
+    ClassifyDataset,
+    YOLODataset,
+    build_dataloader,
+    check_task,
+    load_data_config,
+)
+from yolo_min.losses import ClassifyLoss, YOLOLoss, scale_hyp
+from yolo_min.metrics import KINDS, metric_names
 from yolo_min.models import CFG_DIR, Model, ModelEMA, de_parallel, make_divisible
 from yolo_min.plots import draw_batch, plot_results
 
-NOMINAL_BATCH = 64  # gradients accumulate over this many images before a step
-HYP_FILE = CFG_DIR / "hyp.scratch-low.yaml"
+NOMINAL_BATCH = 64  # detection: gradients accumulate over this many images before a step
+HYP_FILES = {"detect": "hyp.scratch-low.yaml", "segment": "hyp.scratch-low.yaml"}
+HYP_FILES |= {"classify": "hyp.cls.yaml"}  # classify: no warmup, no accumulation
+TASK_DEFAULTS = {"classify": dict(imgsz=224, batch_size=64, optimizer="Adam")}  # unless given
+DEFAULTS = dict(imgsz=640, batch_size=16, optimizer="SGD")
+OPTIMIZERS = {"SGD": torch.optim.SGD, "Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW}
+OPTIMIZERS |= {"RMSProp": torch.optim.RMSprop}
 
 
 class ConfigError(ValueError):
@@ -48,14 +59,15 @@ class ConfigError(ValueError):
 
 
 def get_args_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="Train YOLOv5 detection or segmentation")
+    p = argparse.ArgumentParser(description="Train YOLOv5 detection, segmentation, classification")
     p.add_argument("--cfg", default="yolov5n.yaml", help="model cfg; its head sets the task")
-    p.add_argument("--data", default="shapes", help="data yaml, or 'shapes' (embedded)")
+    p.add_argument("--data", default="shapes", help="data yaml or folder, 'shapes', 'shapes-cls'")
     p.add_argument("--hyp", default="", help="yaml overriding keys of the recipe")
     p.add_argument("--weights", default="", help="initial weights: yolo_min or yolov5 .pt")
     p.add_argument("--epochs", type=int, default=100)
-    p.add_argument("--batch-size", type=int, default=16, help="global, split over the ranks")
-    p.add_argument("--imgsz", type=int, default=640, help="train and val image size (pixels)")
+    p.add_argument("--batch-size", type=int, help="global, split over the ranks (16; classify 64)")
+    p.add_argument("--imgsz", type=int, help="train and val image size (640; classify 224)")
+    p.add_argument("--optimizer", choices=list(OPTIMIZERS), help="SGD (classify: Adam)")
     p.add_argument("--device", default="", help="cpu, cuda or a GPU index")
     p.add_argument("--workers", type=int, default=8, help="dataloader workers per rank")
     p.add_argument("--project", default="runs/train")
@@ -76,9 +88,9 @@ def get_args_parser() -> argparse.ArgumentParser:
 
 
 # ---------------------------------------------------------------- builders
-def load_hyp(changes: str | dict) -> dict:
-    """The recipe (HYP_FILE) with some values changed: a yaml file of them ('' none) or a dict."""
-    recipe = yaml.safe_load(HYP_FILE.read_text())
+def load_hyp(changes: str | dict, task: str = "detect") -> dict:
+    """The task's recipe (HYP_FILES) with some values changed: a yaml file ('' none) or a dict."""
+    recipe = yaml.safe_load((CFG_DIR / HYP_FILES[task]).read_text())
     if isinstance(changes, str):
         changes = yaml.safe_load(Path(changes).read_text()) if changes else {}
     if not isinstance(changes, dict):
@@ -91,8 +103,11 @@ def load_hyp(changes: str | dict) -> dict:
     return recipe | {k: float(v) for k, v in changes.items()}
 
 
-def check_args(args: argparse.Namespace, world_size: int) -> None:
-    """Command-line and resumed arguments alike: ConfigError unless usable."""
+def check_args(args: argparse.Namespace, task: str, world_size: int) -> None:
+    """Command-line and resumed arguments alike: ConfigError unless usable; the task's defaults
+    for those not given."""
+    for k, v in TASK_DEFAULTS.get(task, DEFAULTS).items():
+        setattr(args, k, v if getattr(args, k) is None else getattr(args, k))
     if min(args.epochs, args.log_every) < 1 or min(args.workers, args.patience) < 0:
         raise ConfigError("--epochs and --log-every must be >= 1, --workers and --patience >= 0")
     if args.imgsz < 32:
@@ -126,7 +141,13 @@ def build_model(args, data: dict, ckpt: dict | None) -> Model:
 
 
 def build_datasets(args, hyp: dict, model: Model, data: dict, info) -> tuple:
-    """(train, val) YOLODatasets: mosaic augmentation, and rect letterboxed batches."""
+    """(train, val) YOLODatasets: mosaic augmentation, and rect letterboxed batches; for a
+    classifier ClassifyDatasets of folders (data without a yaml file)."""
+    check_task(data, model.task)
+    if model.task == "classify":
+        kw = dict(imgsz=args.imgsz, verbose=info.is_main)
+        train = ClassifyDataset(data["train"][0], augment=True, prefix="train: ", **kw)
+        return train, ClassifyDataset(data["val"][0], prefix="val: ", **kw)
     stride, batch = int(model.stride.max()), args.batch_size // info.world_size
     kw = dict(imgsz=args.imgsz, task=model.task, stride=stride, nc=data["nc"])
     kw |= dict(verbose=info.is_main, local_world_size=info.local_world_size)
@@ -140,16 +161,21 @@ def build_datasets(args, hyp: dict, model: Model, data: dict, info) -> tuple:
     return train_set, val_set
 
 
-def build_optimizer(model: nn.Module, lr: float, momentum: float, decay: float):
-    """Nesterov SGD in 3 groups: 0 biases and 1 BatchNorm weights without weight decay, 2 others."""
+def build_optimizer(model: nn.Module, lr: float, momentum: float, decay: float, name="SGD"):
+    """An optimizer (Nesterov SGD, Adam with beta1 = momentum, ...) in 3 groups: 0 biases and 1
+    BatchNorm weights without weight decay, 2 the other weights with it."""
     groups = [[], [], []]
     for m in model.modules():
-        for name, p in m.named_parameters(recurse=False):
+        for kind, p in m.named_parameters(recurse=False):
             norm = isinstance(m, (nn.BatchNorm2d, nn.SyncBatchNorm))
-            groups[0 if name == "bias" else 1 if norm else 2].append(p)
+            groups[0 if kind == "bias" else 1 if norm else 2].append(p)
     kw = [dict(weight_decay=0.0, bias=True), dict(weight_decay=0.0), dict(weight_decay=decay)]
     groups = [dict(params=g, initial_lr=lr, bias=False) | k for g, k in zip(groups, kw)]
-    return torch.optim.SGD(groups, lr=lr, momentum=momentum, nesterov=True)
+    if name == "SGD":
+        return torch.optim.SGD(groups, lr=lr, momentum=momentum, nesterov=True)
+    if "Adam" in name:
+        return OPTIMIZERS[name](groups, lr=lr, betas=(momentum, 0.999))
+    return OPTIMIZERS[name](groups, lr=lr, momentum=momentum)
 
 
 def lr_factor(epoch: int, epochs: int, lrf: float, cos: bool = False) -> float:
@@ -173,7 +199,8 @@ def warmup(optimizer, it: int, warmup_iters: int, lf: float, hyp: dict, accumula
 # ---------------------------------------------------------------- one epoch
 def forward_loss(model, criterion: YOLOLoss, batch: dict, device, amp: bool):
     """(loss to backpropagate, named loss items) of one batch."""
-    images, targets = preprocess(batch["images"], device), batch["targets"].to(device)
+    classify = de_parallel(model).task == "classify"
+    images, targets = preprocess(batch["images"], device, classify), batch["targets"].to(device)
     masks = batch["masks"].to(device) if batch.get("masks") is not None else None
     with torch.autocast(device.type, enabled=amp):
         preds = model(images)
@@ -192,22 +219,22 @@ def optimizer_step(model, optimizer, scaler, ema: ModelEMA | None, max_norm=10.0
 
 
 def train_one_epoch(model, criterion, optimizer, scaler, ema, loader, epoch, args, hyp, save_dir):
-    """One epoch: warmup, gradient accumulation to NOMINAL_BATCH images, no all-reduce until the
-    step, a stop on a non-finite loss (every rank at once), progress on rank 0. Returns the mean
-    loss items and the throughput ("img/s")."""
+    """One epoch: detection's warmup and gradient accumulation to NOMINAL_BATCH images, no
+    all-reduce until the step, a stop on a non-finite loss (every rank at once), progress on rank
+    0. Returns the mean loss items and the throughput ("img/s")."""
     model.train()
-    device, n = next(model.parameters()).device, len(loader)
+    device, n, detect = next(model.parameters()).device, len(loader), "warmup_epochs" in hyp
     lf = lr_factor(epoch, args.epochs, hyp["lrf"], args.cos_lr)
     for g in optimizer.param_groups:
         g["lr"] = g["initial_lr"] * lf
-    warmup_iters = max(round(hyp["warmup_epochs"] * n), 100)
+    warmup_iters = max(round(hyp.get("warmup_epochs", 0) * n), 100)
     batch_size, last = args.batch_size, save_dir / "weights" / "last.pt"
-    accumulate = max(round(NOMINAL_BATCH / batch_size), 1)
+    accumulate = max(round(NOMINAL_BATCH / batch_size), 1) if detect else 1
     last_step = epoch * n - 1  # every epoch ends with a step: no gradients pending at a checkpoint
     mean, stats, t0 = None, {}, time.time()
     for i, batch in log_every(loader, args.log_every, f"epoch {epoch + 1}/{args.epochs}", stats):
         it = i + n * epoch
-        if it <= warmup_iters:
+        if detect and it <= warmup_iters:
             accumulate = warmup(optimizer, it, warmup_iters, lf, hyp, NOMINAL_BATCH / batch_size)
         step = it - last_step >= accumulate or i == n - 1
         sync = step or not isinstance(model, DDP)  # DDP all-reduces in backward: only at a step
@@ -225,7 +252,7 @@ def train_one_epoch(model, criterion, optimizer, scaler, ema, loader, epoch, arg
             last_step = it
         mean = values if mean is None else (mean * i + values) / (i + 1)
         stats.update(dict(zip(items, mean.tolist())), instances=len(batch["targets"]))
-        if it == 0 and dist.is_main():
+        if it == 0 and detect and dist.is_main():
             labels = (batch["images"], batch["targets"], batch["masks"], batch["paths"])
             draw_batch(*labels, fname=save_dir / "train_batch0.jpg", names=de_parallel(model).names)
         if i == 0:
@@ -255,7 +282,8 @@ def resumed_args(cli, path: str, ckpt: dict) -> argparse.Namespace:
     """The resumed run's own arguments, checked as command-line ones; only --device may change."""
     defaults = vars(get_args_parser().parse_args([]))
     stored = ckpt["args"]  # a dict: checkpoint.load checked
-    wrong = [k for k in defaults if k != "resume" and type(stored.get(k)) is not type(defaults[k])]
+    types = {k: type(DEFAULTS[k] if v is None else v) for k, v in defaults.items()}
+    wrong = [k for k in defaults if k != "resume" and type(stored.get(k)) is not types[k]]
     if wrong or set(stored) != set(defaults):
         raise ConfigError(f"--resume: {path}: not train.py's arguments ({wrong or sorted(stored)})")
     if cli.resume and ckpt["epoch"] + 1 >= stored["epochs"]:
@@ -275,12 +303,12 @@ def prepare(args, info) -> tuple:
         ckpt, run_id = None, dist.torchrun_id()
         if resumed := dist.run_on_main(checkpoint.find_resume, args, run_id):
             args, ckpt = resumed_args(args, *resumed), resumed[1]
-        check_args(args, info.world_size)
-        hyp = load_hyp(ckpt["hyp"] if ckpt else args.hyp)
         torch.manual_seed(args.seed)  # the same initial weights on every rank
         with dist.main_first():  # local rank 0 first: it writes the label caches (and shapes)
             data = load_data_config(args.data)
             model = build_model(args, data, ckpt)
+            check_args(args, model.task, info.world_size)
+            hyp = load_hyp(ckpt["hyp"] if ckpt else args.hyp, model.task)
             train_set, val_set = build_datasets(args, hyp, model, data, info)
         need = 36 * sum(p.numel() for p in model.parameters())  # 3 files of 3 fp32 copies
         save_dir = dist.run_on_main(checkpoint.make_run_dir, args, hyp, run_id, need)
@@ -291,13 +319,19 @@ def prepare(args, info) -> tuple:
 
 def build_training(model: Model, hyp: dict, args, info) -> tuple:
     """(the model to train: DDP-wrapped under torchrun, criterion, optimizer, AMP scaler, EMA)."""
-    accumulate = max(round(NOMINAL_BATCH / args.batch_size), 1)
-    decay = hyp["weight_decay"] * args.batch_size * accumulate / NOMINAL_BATCH
-    optimizer = build_optimizer(model, hyp["lr0"], hyp["momentum"], decay)
+    decay = hyp["weight_decay"]
+    if model.task != "classify":  # detection's decay is for NOMINAL_BATCH images a step
+        decay *= args.batch_size * max(round(NOMINAL_BATCH / args.batch_size), 1) / NOMINAL_BATCH
+    opt = (hyp["lr0"], hyp["momentum"], decay, args.optimizer)
+    optimizer = build_optimizer(model, *opt)
     scaler = torch.amp.GradScaler("cuda", enabled=info.device.type == "cuda")
     ema = ModelEMA(model)
-    loss_hyp = scale_hyp(hyp, model.nc, args.imgsz, model.head.nl)
-    criterion = YOLOLoss(model, loss_hyp, info.world_size)
+    if model.task == "classify":
+        criterion = ClassifyLoss(hyp["label_smoothing"])
+    else:
+        criterion = YOLOLoss(
+            model, scale_hyp(hyp, model.nc, args.imgsz, model.head.nl), info.world_size
+        )
     if info.world_size > 1:
         if args.sync_bn and info.device.type == "cuda":
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
@@ -312,7 +346,7 @@ def fit(args, info) -> dict:
     for seed in (random.seed, np.random.seed, torch.manual_seed):
         seed(args.seed + info.rank)  # augmentation has its own seeds, per sample
     model = model.to(info.device)
-    if not ckpt and not args.noautoanchor:
+    if not ckpt and not args.noautoanchor and model.task != "classify":
         autoanchor(model, train_set, hyp["anchor_t"], args)
     model, criterion, optimizer, scaler, ema = build_training(model, hyp, args, info)
     start, best = 0, (0.0, 0)  # best: (fitness, epoch)
@@ -385,7 +419,7 @@ def autoanchor(model: Model, train_set: YOLODataset, thr: float, args) -> None:
 
 def log_epoch(save_dir: Path, epoch, args, losses: dict, metrics, optimizer, img_s, task) -> None:
     """A row of results.csv (a resumed run first drops the rows after its checkpoint), a line."""
-    names = metric_names(("box", "mask") if task == "segment" else ("box",))
+    names = metric_names(KINDS[task])
     row = {"epoch": epoch + 1} | {f"train/{k}_loss": v for k, v in losses.items()}
     row |= {f"metrics/{k}": metrics["metrics"][k] if metrics else "" for k in names}
     row |= {f"lr/pg{j}": g["lr"] for j, g in enumerate(optimizer.param_groups)}

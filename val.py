@@ -18,11 +18,20 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
+import torchvision.transforms.v2.functional as TF
 
-from yolo_min import dist, ops
+from yolo_min import dist, metrics, ops
 from yolo_min.checkpoint import load_model, next_run_dir
-from yolo_min.datasets import YOLODataset, build_dataloader, load_data_config
-from yolo_min.metrics import image_record, merge_records, summarize
+from yolo_min.datasets import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    ClassifyDataset,
+    YOLODataset,
+    build_dataloader,
+    check_task,
+    load_data_config,
+)
 from yolo_min.models import de_parallel, make_divisible
 from yolo_min.plots import draw_batch
 
@@ -33,9 +42,11 @@ MASK_CHUNK = 32  # masks assembled at once at full resolution (bounds memory)
 VAL_NMS = dict(conf_thres=0.001, iou_thres=0.6, multi_label=True, max_det=300)  # yolov5's val.py
 
 
-def preprocess(images: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """uint8 (bs, 3, H, W) batch -> float in [0, 1] on the device (the network's input)."""
-    return images.to(device, non_blocking=True).float() / 255
+def preprocess(images: torch.Tensor, device: torch.device, normalize=False) -> torch.Tensor:
+    """uint8 (bs, 3, H, W) batch -> the network's input on the device: float in [0, 1], and for a
+    classifier (normalize) standardised with ImageNet's mean and std as yolov5's."""
+    x = images.to(device, non_blocking=True).float() / 255
+    return TF.normalize(x, IMAGENET_MEAN, IMAGENET_STD) if normalize else x
 
 
 def score_image(index, det, gt: dict, shape, input_hw, protos=None, json_meta=None) -> dict:
@@ -66,7 +77,7 @@ def score_image(index, det, gt: dict, shape, input_hw, protos=None, json_meta=No
             for i, m in zip(idx.tolist(), masks) if json_meta else ():
                 rles[i] = ops.rle_encode(m)
         ious["mask"] = iou.cpu().numpy()
-    rec = image_record(index, det[:, 4].cpu(), det[:, 5].cpu(), gt["cls"], ious)
+    rec = metrics.image_record(index, det[:, 4].cpu(), det[:, 5].cpu(), gt["cls"], ious)
     if json_meta:
         xywh = torch.cat((boxes[:, :2], boxes[:, 2:] - boxes[:, :2]), 1).cpu().tolist()
         cat = COCO91_IDS.__getitem__ if json_meta["coco_ids"] else (lambda c: c + 1)
@@ -93,18 +104,22 @@ def evaluate(
     model = de_parallel(model)
     was_training = model.training
     model.eval()
-    device = next(model.parameters()).device
+    device, classify = next(model.parameters()).device, model.task == "classify"
     nm = model.head.nm if model.task == "segment" else 0
     records, seen, times = [], 0, np.zeros(3)
     for bi, batch in enumerate(loader):
         t0 = now(device)
-        images = preprocess(batch["images"], device)
+        images = preprocess(batch["images"], device, classify)
         t1 = now(device)
         with torch.autocast(device.type, torch.float16, enabled=half and device.type == "cuda"):
             out = model(images)
         preds, protos = out if nm else (out, None)
         t2 = now(device)
-        dets = ops.non_max_suppression(preds.float(), nm=nm, **nms)
+        if classify:  # top-k and the loss of each image
+            logits, labels = out.float().cpu(), batch["targets"][:, 1]
+            losses = F.cross_entropy(logits, labels, reduction="none")
+            records += metrics.class_records(batch["indices"], logits, labels, losses)
+        dets = [] if classify else ops.non_max_suppression(preds.float(), nm=nm, **nms)
         times += (t1 - t0, t2 - t1, now(device) - t2)
         seen += len(images)
         for j, det in enumerate(dets):
@@ -114,10 +129,14 @@ def evaluate(
             gt, proto = dataset.ground_truth(index), protos[j].float() if nm else None
             shape, hw = batch["shapes"][j], images.shape[2:]
             records.append(score_image(index, det, gt, shape, hw, proto, save_json and meta))
-        if plots_dir is not None and bi < 3 and dist.is_main():
+        if plots_dir is not None and bi < 3 and dist.is_main() and not classify:
             plot_batch(batch, dets, protos, Path(plots_dir) / f"val_batch{bi}", model.names)
-    records = merge_records(dist.all_gather_object(records))
-    res = summarize(records, ("box", "mask") if nm else ("box",))
+    records = metrics.merge_records(dist.all_gather_object(records))
+    res = (
+        metrics.summarize_classes(records)
+        if classify
+        else metrics.summarize(records, metrics.KINDS[model.task])
+    )
     res["speed"] = dict(
         zip(("preprocess", "inference", "nms"), (times * 1000 / max(seen, 1)).tolist())
     )
@@ -150,18 +169,18 @@ def plot_batch(batch: dict, dets: list, protos, prefix: Path, names: list) -> No
 
 def format_table(res: dict, names: list[str] | None = None, verbose: bool = False) -> str:
     """yolov5-style results table: all classes (and each class with verbose)."""
-    cols = list(res["metrics"])
-    head = f"{'Class':>20}{'Images':>11}{'Instances':>11}" + "".join(f"{c:>13}" for c in cols)
+    counts = ["images", "instances"] if "instances" in res else ["images"]  # classify: images
+    cols = [c for c in res["metrics"] if c != "val_loss"]
+    head = f"{'Class':>20}" + "".join(f"{c.capitalize():>11}" for c in counts)
 
-    def row(name, images, instances, values: dict) -> str:
-        return f"{name:>20}{images:>11}{instances:>11}" + "".join(
-            f"{values[c]:>13.3g}" for c in cols
-        )
+    def row(name, values: dict) -> str:
+        numbers = "".join(f"{values[c]:>13.3g}" for c in cols)
+        return f"{name:>20}" + "".join(f"{values[c]:>11}" for c in counts) + numbers
 
-    lines = [head, row("all", res["images"], res["instances"], res["metrics"])]
+    lines = [head + "".join(f"{c:>13}" for c in cols), row("all", res | res["metrics"])]
     for pc in res["per_class"] if verbose else ():
         name = names[pc["class"]] if names and pc["class"] < len(names) else pc["class"]
-        lines.append(row(name, pc["images"], pc["instances"], pc))
+        lines.append(row(name, pc))
     return "\n".join(lines)
 
 
@@ -195,13 +214,19 @@ def main(args: argparse.Namespace) -> dict:
         imgsz = make_divisible(args.imgsz, int(model.stride.max()))
         with dist.main_first():  # local rank 0 verifies the labels and writes their cache first
             data = load_data_config(args.data)
+            check_task(data, model.task)
             if model.nc != data["nc"]:
                 raise ValueError(f"{args.weights}: {model.nc} classes, {args.data}: {data['nc']}")
             if args.coco_ids and data["nc"] != 80:
                 raise ValueError(f"--coco-ids: {args.data} does not have the 80 COCO classes")
             kw = dict(task=model.task, stride=int(model.stride.max()), nc=data["nc"])
             kw |= dict(verbose=info.is_main, local_world_size=info.local_world_size)
-            dataset = YOLODataset(data["val"], imgsz, rect=True, batch_size=args.batch_size, **kw)
+            if model.task == "classify":
+                dataset = ClassifyDataset(data["val"][0], imgsz, verbose=info.is_main)
+            else:
+                dataset = YOLODataset(
+                    data["val"], imgsz, rect=True, batch_size=args.batch_size, **kw
+                )
             if model.task == "segment":
                 dataset.check_polygons()
         model.names = data["names"]
@@ -219,7 +244,7 @@ def main(args: argparse.Namespace) -> dict:
             s = res["speed"]
             speed = f"{s['preprocess']:.1f}ms pre-process, {s['inference']:.1f}ms inference"
             print(f"Speed: {speed}, {s['nms']:.1f}ms NMS per image at {imgsz} (rank 0)")
-            keep = ("metrics", "fitness", "images", "instances", "speed")
+            keep = ("metrics", "fitness", "images", "instances", "speed") & res.keys()
             (save_dir / "metrics.json").write_text(json.dumps({k: res[k] for k in keep}, indent=2))
             print(f"Results saved to {save_dir}")
         return res

@@ -183,10 +183,11 @@ def test_topk_accuracy():
             [0.1, 0.2, 0.3, 0.4, 0.5, 0.6],  # label 5: top-1 right
         ]
     )
-    records = class_records([7, 3, 5, 1], scores, [0, 1, 0, 5])
+    records = class_records([7, 3, 5, 1], scores, [0, 1, 0, 5], [0.5, 1.0, 2.0, 0.5])
     assert records[1]["top5"].tolist() == [5, 4, 3, 2, 1]
     res = summarize_classes(records)
-    assert res["metrics"] == {"top1_acc": 0.5, "top5_acc": 0.75} and res["fitness"] == 0.5
+    assert res["metrics"] == {"top1_acc": 0.5, "top5_acc": 0.75, "val_loss": 1.0}
+    assert res["fitness"] == 0.5
     assert res["images"] == 4 and list(res["metrics"]) == metric_names(("class",))
     assert res["per_class"] == [
         {"class": 0, "images": 2, "top1_acc": 0.5, "top5_acc": 0.5},
@@ -196,9 +197,9 @@ def test_topk_accuracy():
     # shards merged by dataset index (duplicates once) equal one process
     merged = merge_records([records[::2], records[1::2] + records[:1]])
     assert [r["index"] for r in merged] == [1, 3, 5, 7] and summarize_classes(merged) == res
-    few = summarize_classes(class_records([0, 1], [[0.2, 0.8], [0.3, 0.7]], [0, 1]))
-    assert few["metrics"] == {"top1_acc": 0.5, "top5_acc": 1.0}  # nc < 5: top-5 is 1
-    assert summarize_classes([])["metrics"] == {"top1_acc": 0.0, "top5_acc": 0.0}
+    few = summarize_classes(class_records([0, 1], [[0.2, 0.8], [0.3, 0.7]], [0, 1], [1, 1]))
+    assert few["metrics"] == {"top1_acc": 0.5, "top5_acc": 1.0, "val_loss": 1.0}  # nc < 5: top-5 1
+    assert summarize_classes([])["metrics"] == {"top1_acc": 0.0, "top5_acc": 0.0, "val_loss": 0.0}
 
 
 # ---------------------------------------------------------------- embedded shapes-cls

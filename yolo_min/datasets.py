@@ -64,6 +64,13 @@ def load_data_config(path: str) -> dict:
     return out
 
 
+def check_task(data: dict, task: str) -> None:
+    """DataError unless load_data_config's data suits the task: class folders for classify."""
+    if (task == "classify") == ("yaml_file" in data):
+        need = "a folder: root/train/<class>/" if task == "classify" else "a data yaml"
+        raise DataError(f"{data['path']}: a {task} model needs {need}")
+
+
 def load_folder_data(path: str) -> dict:
     """A classification dataset, root/train/<class>/*.jpg and root/val/<class>/ (or test/) -> {path,
     names: train's class folders, sorted, nc, train: [folder], val: [folder]}."""

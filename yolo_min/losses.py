@@ -1,7 +1,8 @@
-"""YOLOv5's training loss: target assignment, CIoU box loss, objectness, class and mask BCE.
+"""YOLOv5's training losses: target assignment, CIoU box loss, objectness, class and mask BCE.
 
-One implementation for detection and instance segmentation (segment adds the mask term); it equals
-yolov5's ComputeLoss to relative 1e-5 (fixtures loss_*.pt).
+YOLOLoss is one implementation for detection and instance segmentation (segment adds the mask
+term); it equals yolov5's ComputeLoss to relative 1e-5 (fixtures loss_*.pt). ClassifyLoss is
+classification's cross-entropy.
 """
 
 from __future__ import annotations
@@ -214,3 +215,17 @@ class YOLOLoss:
         total = per_pos.new_zeros(self.nl * bs).index_add(0, group, per_pos)
         counts = torch.bincount(group, minlength=self.nl * bs)
         return (total[counts > 0] / counts[counts > 0]).sum()
+
+
+class ClassifyLoss:
+    """yolov5's classification loss: cross-entropy with label smoothing of a Classify head's logits
+    (bs, nc) against targets (bs, 2) [image, cls]. Returns (loss, {"loss"}), the batch mean (DDP's
+    averaging of gradients then gives the global batch's mean, as in one process)."""
+
+    def __init__(self, label_smoothing: float = 0.0):
+        self.label_smoothing = label_smoothing
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        labels = targets[:, 1].long().to(logits.device)
+        loss = F.cross_entropy(logits.float(), labels, label_smoothing=self.label_smoothing)
+        return loss, {"loss": loss.detach()}

@@ -19,6 +19,11 @@ RECALL_POINTS = np.linspace(0.0, 1.0, 101)  # COCOeval's recThrs
 CONF_GRID = np.linspace(0.0, 1.0, 1000)  # confidences scanned for the max-mean-F1 point
 EPS = np.spacing(1)
 SUFFIX = {"box": "B", "mask": "M"}  # metric names: "mAP50(B)", "mAP50-95(M)", ...
+KINDS = {
+    "detect": ("box",),
+    "segment": ("box", "mask"),
+    "classify": ("class",),
+}  # what a task scores
 
 
 def match_predictions(iou: np.ndarray, conf, pred_cls, gt_cls) -> np.ndarray:
@@ -108,7 +113,7 @@ def ap_per_class(tp: np.ndarray, conf: np.ndarray, pred_cls: np.ndarray, gt_cls)
 def metric_names(kinds: tuple[str, ...]) -> list[str]:
     """Names of the metrics summarize gives kinds ("box", "mask"), summarize_classes ("class")."""
     if kinds == ("class",):
-        return ["top1_acc", "top5_acc"]
+        return ["top1_acc", "top5_acc", "val_loss"]
     return [f"{m}({SUFFIX[k]})" for k in kinds for m in ("P", "R", "mAP50", "mAP50-95")]
 
 
@@ -148,18 +153,19 @@ def summarize(records: list[dict], kinds: tuple[str, ...] = ("box",)) -> dict:
     return out | {"per_class": rows}
 
 
-def class_records(indices, scores, labels) -> list[dict]:
+def class_records(indices, scores, labels, losses) -> list[dict]:
     """What top-k accuracy needs from a batch: per image {"index" (its dataset index), "label",
-    "top5" (the min(5, nc) best classes, best first)}. scores (bs, nc): float logits or
-    probabilities on the CPU; indices, labels (bs,)."""
+    "top5" (the min(5, nc) best classes, best first), "loss"}. scores (bs, nc): float logits or
+    probabilities on the CPU; indices, labels, losses (bs,)."""
     top5 = np.argsort(-np.asarray(scores, np.float64), 1, kind="stable")[:, :5]
-    return [{"index": int(i), "label": int(c), "top5": t} for i, c, t in zip(indices, labels, top5)]
+    keys = zip(indices, labels, top5, losses)
+    return [{"index": int(i), "label": int(c), "top5": t, "loss": float(x)} for i, c, t, x in keys]
 
 
 def summarize_classes(records: list[dict]) -> dict:
     """Top-1 and top-5 accuracy (1 when nc < 5, as yolov5's) of all images' class_records, in the
-    shape of summarize's: {"metrics": {"top1_acc", "top5_acc"}, "fitness" (top1_acc), "images",
-    "per_class": [{"class", "images", "top1_acc", "top5_acc"}]} for the classes in the labels."""
+    shape of summarize's: {"metrics": {"top1_acc", "top5_acc", "val_loss"}, "fitness" (top1_acc),
+    "images", "per_class": [{"class", "images", "top1_acc", "top5_acc"}]} (the labels' classes)."""
     labels = np.array([r["label"] for r in records], np.int64)
     hits = np.array([[r["top5"][0] == r["label"], r["label"] in r["top5"]] for r in records])
 
@@ -169,7 +175,7 @@ def summarize_classes(records: list[dict]) -> dict:
 
     rows = [{"class": int(c), "images": int((labels == c).sum())} for c in np.unique(labels)]
     rows = [row | accuracy(hits[labels == row["class"]]) for row in rows]
-    metrics = accuracy(hits)
+    metrics = accuracy(hits) | {"val_loss": float(np.mean([r["loss"] for r in records] or [0]))}
     out = {"metrics": metrics, "fitness": metrics["top1_acc"], "images": len(records)}
     return out | {"per_class": rows}
 
