@@ -39,13 +39,26 @@ def make_batch(seed: int, segment: bool) -> dict:
                             [3, 1, 0.71, 0.36, 0.61, 0.58], [3, 2, 0.18, 0.83, 0.09, 0.11]])  # fmt: skip
     targets[:, 2:4] += seed * 0.02
     masks = torch.zeros(4, 16, 16)
-    for row, (b, _, cx, cy, w, h) in enumerate((targets * torch.tensor([1, 1, 16, 16, 16, 16])).tolist()):
+    for row, (b, _, cx, cy, w, h) in enumerate(
+        (targets * torch.tensor([1, 1, 16, 16, 16, 16])).tolist()
+    ):
         k = (targets[: row + 1, 0] == b).sum()
-        masks[int(b), round(cy - h / 2) : round(cy + h / 2), round(cx - w / 2) : round(cx + w / 2)] = k
+        masks[
+            int(b), round(cy - h / 2) : round(cy + h / 2), round(cx - w / 2) : round(cx + w / 2)
+        ] = k
     return {"images": images, "targets": targets, "masks": masks if segment else None}
 
 
+def classify_batch(seed: int) -> dict:
+    """4 random images of classes 0, 1, 2, 0 (batch dicts as ClassifyDataset's collate)."""
+    g = torch.Generator().manual_seed(seed)
+    images = torch.randint(0, 256, (4, 3, 64, 64), dtype=torch.uint8, generator=g)
+    return {"images": images, "targets": torch.tensor([[0, 0], [1, 1], [2, 2], [3, 0]])}
+
+
 def mirrored(batch: dict) -> dict:
+    if "masks" not in batch:  # classify: other images, the same classes
+        return {"images": batch["images"].flip(3), "targets": batch["targets"]}
     targets = batch["targets"].clone()
     targets[:, 2] = 1 - targets[:, 2]
     masks = batch["masks"].flip(2) if batch["masks"] is not None else None
@@ -54,10 +67,15 @@ def mirrored(batch: dict) -> dict:
 
 def joined(a: dict, b: dict) -> dict:
     """One batch of 8: a's images, then b's (their targets' image indices shifted by 4)."""
-    shift = torch.tensor([4.0, 0, 0, 0, 0, 0])
-    masks = torch.cat([a["masks"], b["masks"]]) if a["masks"] is not None else None
+    shift = torch.zeros_like(b["targets"][:1])
+    shift[0, 0] = 4
+    masks = torch.cat([a["masks"], b["masks"]]) if a.get("masks") is not None else None
     images = torch.cat([a["images"], b["images"]])
-    return {"images": images, "targets": torch.cat([a["targets"], b["targets"] + shift]), "masks": masks}
+    return {
+        "images": images,
+        "targets": torch.cat([a["targets"], b["targets"] + shift]),
+        "masks": masks,
+    }
 
 
 def one_epoch(model, loader, info, args, hyp) -> nn.Module:
@@ -71,15 +89,18 @@ def one_epoch(model, loader, info, args, hyp) -> nn.Module:
 def main():
     info = dist.setup("cpu")
     try:
-        segment = "--segment" in sys.argv
+        segment, classify = "--segment" in sys.argv, "--classify" in sys.argv
+        cfg = "yolov5n-seg.yaml" if segment else "yolov5n-cls.yaml" if classify else "yolov5n.yaml"
         torch.manual_seed(0)
-        model = frozen_bn(Model("yolov5n-seg.yaml" if segment else "yolov5n.yaml", nc=3))
-        hyp = train.load_hyp("")
+        model = frozen_bn(Model(cfg, nc=3))
+        hyp = train.load_hyp("", model.task)
         args = train.get_args_parser().parse_args(["--imgsz", "64", "--epochs", "300"])
-        halves = [make_batch(seed, segment) for seed in (1, 2)]  # rank 0's micro-batches
+        args.batch_size = 8  # the global batch, 2 x 4 or 1 x 8
+        train.check_args(args, model.task, 1)
+        batch = classify_batch if classify else lambda seed: make_batch(seed, segment)
+        halves = [batch(seed) for seed in (1, 2)]  # rank 0's micro-batches
         halves = [halves, [mirrored(b) for b in halves]]  # rank 1's
         single_info = dist.DistInfo(0, 0, 1, 1, torch.device("cpu"))
-        args.batch_size = 8  # the global batch, 2 x 4 or 1 x 8
         whole = [joined(a, b) for a, b in zip(*halves)]
         single = one_epoch(deepcopy(model), whole, single_info, args, hyp)
         ddp = one_epoch(deepcopy(model), halves[info.rank], info, args, hyp)

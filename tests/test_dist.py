@@ -79,12 +79,12 @@ def test_gathered_validation_equals_one_process(shapes_runs, small_shapes):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("task", ["detect", "segment"])
+@pytest.mark.parametrize("task", ["detect", "segment", "classify"])
 def test_ddp_step_equals_single_process(task):
     """train.py's wiring and train_one_epoch: 2 ranks x 2 micro-batches of 4 images == 1 process x 2
     batches of 8 (tests/dist_step.py): the weights move, and equally."""
     r = run([*TORCHRUN, "--standalone", "--nproc_per_node", "2", "tests/dist_step.py",
-             *(["--segment"] if task == "segment" else [])])
+             *([f"--{task}"] if task != "detect" else [])])
     assert r.returncode == 0, r.stderr[-3000:]
     diff, moved = map(float, re.search(r"MAXDIFF (\S+) MOVED (\S+)", r.stdout).groups())
     assert diff < 1e-5 and moved > 1e-4

@@ -128,9 +128,10 @@ def restore(ckpt: dict, model, ema, optimizer, scaler, rank: int, world_size: in
         ema.updates = ckpt["ema_updates"]
         kinds = [{k: type(v) for k, v in g.items()} for g in optimizer.param_groups]
         optimizer.load_state_dict(ckpt["optimizer"])  # its settings replace ours: same types?
-        ok = all(v.shape == p.shape for p, s in optimizer.state.items() for v in s.values())
+        state = [(p, v) for p, s in optimizer.state.items() for v in s.values()]
+        ok = all(torch.is_tensor(v) and v.shape in (p.shape, ()) for p, v in state)  # Adam: step
         if not ok or kinds != [{k: type(v) for k, v in g.items()} for g in optimizer.param_groups]:
-            raise CheckpointError("its optimizer state does not fit this model's SGD")
+            raise CheckpointError("its optimizer state does not fit this model's optimizer")
         if ckpt["scaler"]:  # empty when saved without a CUDA scaler
             scaler.load_state_dict(ckpt["scaler"])
         if ckpt["rng"]["world_size"] != world_size:

@@ -219,7 +219,7 @@ class YOLOLoss:
 
 class ClassifyLoss:
     """yolov5's classification loss: cross-entropy with label smoothing of a Classify head's logits
-    (bs, nc) against targets (bs, 2) [image, cls]. Returns (loss, {"loss"}), the batch mean (DDP's
+    (bs, nc) against targets (bs, 2) [image, cls]. Returns (loss, {"cls"}), the batch mean (DDP's
     averaging of gradients then gives the global batch's mean, as in one process)."""
 
     def __init__(self, label_smoothing: float = 0.0):
@@ -228,4 +228,4 @@ class ClassifyLoss:
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, dict]:
         labels = targets[:, 1].long().to(logits.device)
         loss = F.cross_entropy(logits.float(), labels, label_smoothing=self.label_smoothing)
-        return loss, {"loss": loss.detach()}
+        return loss, {"cls": loss.detach()}
