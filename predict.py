@@ -24,11 +24,11 @@ import torchvision.transforms.v2.functional as TF
 from PIL import Image, ImageDraw, ImageOps
 from torch.utils.data import DataLoader, Dataset
 
-from val import cli, now, parse_kwargs, preprocess
+from val import AMP_HELP, cli, now, parse_kwargs, preprocess
 from yolo_min import dist, ops
 from yolo_min.checkpoint import load_model, next_run_dir
 from yolo_min.labels import IMG_FORMATS, DataError
-from yolo_min.models import make_divisible
+from yolo_min.models import amp_dtype, make_divisible
 from yolo_min.plots import draw_detections
 
 PREDICT_NMS = dict(conf_thres=0.25, iou_thres=0.45, max_det=1000)  # yolov5's detect.py
@@ -111,14 +111,15 @@ def by_shape(samples, batch_size: int):
 
 
 @torch.no_grad()
-def stream(model, images, imgsz=640, batch_size=1, workers=0, polygons=False, **nms):
+def stream(model, images, imgsz=640, batch_size=1, workers=0, polygons=False, amp=None, **nms):
     """Predict images (paths, PIL images or uint8 (h, w, 3) RGB arrays) with an eval-mode Model,
     batched by input shape (so not in the given order); nms: non_max_suppression's options over
     PREDICT_NMS. Yields per image {"index" into images, "path" (None in memory), "image" uint8
     (h, w, 3), "boxes" (n, 6) [x1, y1, x2, y2, conf, cls] (whole pixels) by descending conf, "masks"
     (n, h, w) bool or None, "names", "speed" ms per image (pre-process, inference, NMS)} (and with
     polygons, for segment, "polygons": each mask's largest outer polygon (k, 2) [x, y] in pixels),
-    or for an unreadable image {"index", "path", "error"}. workers: processes decoding images."""
+    or for an unreadable image {"index", "path", "error"}. workers: processes decoding images.
+    amp: the autocast dtype of the forward pass (models.amp_dtype), None for float32."""
     device, stride = next(model.parameters()).device, int(model.stride.max())
     nm, classify = model.head.nm if model.task == "segment" else 0, model.task == "classify"
     data = Images(images, make_divisible(imgsz, stride), stride, classify)
@@ -129,7 +130,8 @@ def stream(model, images, imgsz=640, batch_size=1, workers=0, polygons=False, **
         t0 = now(device)
         x = preprocess(torch.stack([s["input"] for s in group]), device, classify)
         t1 = now(device)
-        out = model(x)  # the forward pass
+        with torch.autocast(device.type, amp, enabled=amp is not None):
+            out = model(x)
         preds, protos = out if nm else (out, [None] * len(x))
         t2 = now(device)
         if classify:  # class probabilities, in place of detections
@@ -255,6 +257,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--classes", nargs="+", type=int, help="keep only these classes")
     p.add_argument("--agnostic-nms", action="store_true", help="NMS across classes")
     p.add_argument("--device", default="", help="cpu, 0, cuda:1 (default: cuda if available)")
+    p.add_argument("--amp", choices=["auto", "on", "off"], default="auto", help=AMP_HELP)
     p.add_argument("--batch-size", type=int, default=1, help="per rank")
     p.add_argument("--workers", type=int, default=0, help="image decoding processes per rank")
     p.add_argument("--save-txt", action="store_true", help="labels/<image>.txt, yolov5's format")
@@ -276,7 +279,9 @@ def main(args: argparse.Namespace) -> dict:
     prints the summary. Returns {"save_dir", "images", "skipped", "detections", "speed"}."""
     info = dist.setup(args.device)
     try:
-        model = load_model(args.weights, info.device).fuse()
+        amp = amp_dtype(info.device, args.amp)
+        layout = torch.channels_last if amp else None  # faster under autocast
+        model = load_model(args.weights, info.device).fuse().to(memory_format=layout)
         if args.classes and not all(0 <= c < model.nc for c in args.classes):
             nc = f"{args.weights} has classes 0 to {model.nc - 1}"
             raise ValueError(f"--classes {' '.join(map(str, args.classes))}: {nc}")
@@ -287,7 +292,7 @@ def main(args: argparse.Namespace) -> dict:
         nms = dict(conf_thres=args.conf_thres, iou_thres=args.iou_thres, max_det=args.max_det)
         nms |= dict(classes=args.classes, agnostic=args.agnostic_nms)
         mine = files[info.rank :: info.world_size]
-        options = (args.imgsz, args.batch_size, args.workers, args.save_txt)
+        options = (args.imgsz, args.batch_size, args.workers, args.save_txt, amp)
         seen, skipped, n_det, speed, entries = 0, 0, 0, np.zeros(3), []
         for r in progress(stream(model, mine, *options, **nms), len(mine), info.is_main):
             if "error" in r:

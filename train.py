@@ -30,7 +30,7 @@ import torch.nn as nn
 import yaml
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from val import evaluate, format_table, parse_kwargs, preprocess
+from val import AMP_HELP, evaluate, format_table, parse_kwargs, preprocess
 from yolo_min import checkpoint, dist
 from yolo_min.anchors import check_anchors
 from yolo_min.datasets import (
@@ -42,7 +42,7 @@ from yolo_min.datasets import (
 )
 from yolo_min.losses import ClassifyLoss, YOLOLoss, scale_hyp
 from yolo_min.metrics import KINDS, metric_names
-from yolo_min.models import CFG_DIR, Model, ModelEMA, de_parallel, make_divisible
+from yolo_min.models import CFG_DIR, Model, ModelEMA, amp_dtype, de_parallel, make_divisible
 from yolo_min.plots import draw_batch, plot_results
 
 NOMINAL_BATCH = 64  # detection: gradients accumulate over this many images before a step
@@ -69,6 +69,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--imgsz", type=int, help="train and val image size (640; classify 224)")
     p.add_argument("--optimizer", choices=list(OPTIMIZERS), help="SGD (classify: Adam)")
     p.add_argument("--device", default="", help="cpu, cuda or a GPU index")
+    p.add_argument("--amp", choices=["auto", "on", "off"], default="auto", help=AMP_HELP)
     p.add_argument("--workers", type=int, default=8, help="dataloader workers per rank")
     p.add_argument("--project", default="runs/train")
     p.add_argument("--name", default="exp")
@@ -197,12 +198,13 @@ def warmup(optimizer, it: int, warmup_iters: int, lf: float, hyp: dict, accumula
 
 
 # ---------------------------------------------------------------- one epoch
-def forward_loss(model, criterion: YOLOLoss, batch: dict, device, amp: bool):
-    """(loss to backpropagate, named loss items) of one batch."""
+def forward_loss(model, criterion: YOLOLoss, batch: dict, device, amp: torch.dtype | None):
+    """(loss to backpropagate, named loss items) of one batch: the model under autocast to amp
+    (None: float32), the loss in float32."""
     classify = de_parallel(model).task == "classify"
     images, targets = preprocess(batch["images"], device, classify), batch["targets"].to(device)
     masks = batch["masks"].to(device) if batch.get("masks") is not None else None
-    with torch.autocast(device.type, enabled=amp):
+    with torch.autocast(device.type, amp, enabled=amp is not None):
         preds = model(images)
     return criterion(preds, targets, masks) if masks is not None else criterion(preds, targets)
 
@@ -224,6 +226,7 @@ def train_one_epoch(model, criterion, optimizer, scaler, ema, loader, epoch, arg
     0. Returns the mean loss items and the throughput ("img/s")."""
     model.train()
     device, n, detect = next(model.parameters()).device, len(loader), "warmup_epochs" in hyp
+    amp = amp_dtype(device, args.amp)
     lf = lr_factor(epoch, args.epochs, hyp["lrf"], args.cos_lr)
     for g in optimizer.param_groups:
         g["lr"] = g["initial_lr"] * lf
@@ -239,7 +242,7 @@ def train_one_epoch(model, criterion, optimizer, scaler, ema, loader, epoch, arg
         step = it - last_step >= accumulate or i == n - 1
         sync = step or not isinstance(model, DDP)  # DDP all-reduces in backward: only at a step
         with contextlib.nullcontext() if sync else model.no_sync():
-            loss, items = forward_loss(model, criterion, batch, device, scaler.is_enabled())
+            loss, items = forward_loss(model, criterion, batch, device, amp)
             values = dist.reduce_mean(torch.stack(list(items.values()))).cpu()
             if not torch.isfinite(values).all():  # the same on every rank: all stop together
                 where = f"at epoch {epoch + 1}, iteration {i + 1}: training stopped"
@@ -279,7 +282,8 @@ def log_every(loader, every: int, header: str, stats: dict):
 
 # ---------------------------------------------------------------- resume
 def resumed_args(cli, path: str, ckpt: dict) -> argparse.Namespace:
-    """The resumed run's own arguments, checked as command-line ones; only --device may change."""
+    """The resumed run's own arguments, checked as command-line ones; only --device and --amp may
+    change."""
     defaults = vars(get_args_parser().parse_args([]))
     stored = ckpt["args"]  # a dict: checkpoint.load checked
     types = {k: type(DEFAULTS[k] if v is None else v) for k, v in defaults.items()}
@@ -289,10 +293,10 @@ def resumed_args(cli, path: str, ckpt: dict) -> argparse.Namespace:
     if cli.resume and ckpt["epoch"] + 1 >= stored["epochs"]:
         raise ConfigError(f"--resume: {path}: the run is finished; start a new one (--weights)")
     given = [k for k, v in vars(cli).items() if v != defaults[k]]
-    if ignored := [k for k in given if k not in ("resume", "device")]:
+    if ignored := [k for k in given if k not in ("resume", "device", "amp")]:
         flags = ", ".join("--" + k.replace("_", "-") for k in ignored)
         dist.print0(f"warning: --resume continues {path} with its own arguments; ignoring {flags}")
-    return argparse.Namespace(**(stored | {"resume": path, "device": cli.device}))
+    return argparse.Namespace(**(stored | {"resume": path, "device": cli.device, "amp": cli.amp}))
 
 
 # ---------------------------------------------------------------- the run
@@ -324,7 +328,9 @@ def build_training(model: Model, hyp: dict, args, info) -> tuple:
         decay *= args.batch_size * max(round(NOMINAL_BATCH / args.batch_size), 1) / NOMINAL_BATCH
     opt = (hyp["lr0"], hyp["momentum"], decay, args.optimizer)
     optimizer = build_optimizer(model, *opt)
-    scaler = torch.amp.GradScaler("cuda", enabled=info.device.type == "cuda")
+    amp = amp_dtype(info.device, args.amp)  # channels_last: the faster layout under autocast
+    model = model.to(memory_format=torch.channels_last if amp else None)
+    scaler = torch.amp.GradScaler("cuda", enabled=amp == torch.float16)  # fp16 needs loss scaling
     ema = ModelEMA(model)
     if model.task == "classify":
         criterion = ClassifyLoss(hyp["label_smoothing"])
@@ -345,7 +351,7 @@ def fit(args, info) -> dict:
     args, ckpt, hyp, model, train_set, val_set, save_dir = prepare(args, info)
     for seed in (random.seed, np.random.seed, torch.manual_seed):
         seed(args.seed + info.rank)  # augmentation has its own seeds, per sample
-    model = model.to(info.device)
+    model, amp = model.to(info.device), amp_dtype(info.device, args.amp)
     if not ckpt and not args.noautoanchor and model.task != "classify":
         autoanchor(model, train_set, hyp["anchor_t"], args)
     model, criterion, optimizer, scaler, ema = build_training(model, hyp, args, info)
@@ -368,7 +374,7 @@ def fit(args, info) -> dict:
         metrics = None
         if epoch + 1 == args.epochs or not args.noval:  # BN buffers differ between DDP ranks:
             dist.broadcast_tensors(ema.ema.state_dict().values())  # all validate rank 0's EMA
-            metrics = evaluate(ema.ema, val_loader, val_set, half=scaler.is_enabled())
+            metrics = evaluate(ema.ema, val_loader, val_set, amp=amp)
             best = max(best, (metrics["fitness"], epoch))  # equal fitness: the later epoch
         stop = metrics and args.patience and epoch - best[1] >= args.patience
         final = stop or epoch + 1 == args.epochs
@@ -387,7 +393,7 @@ def fit(args, info) -> dict:
             dist.print0(f"Early stop: no improvement in {args.patience} epochs, {best_epoch}")
             break
     dist.print0(f"{epoch + 1 - start} epochs in {(time.time() - t_start) / 3600:.3f} hours")
-    metrics = final_validation(ema, val_loader, val_set, save_dir, scaler.is_enabled())
+    metrics = final_validation(ema, val_loader, val_set, save_dir, amp)
     out = dict(save_dir=str(save_dir), epochs=epoch + 1, best_fitness=best[0], metrics=metrics)
     return out | {"img_s": img_s}
 
@@ -431,7 +437,7 @@ def log_epoch(save_dir: Path, epoch, args, losses: dict, metrics, optimizer, img
     print(f"epoch {epoch + 1}/{args.epochs}: {img_s:.1f} img/s  {val}", flush=True)
 
 
-def final_validation(ema: ModelEMA, loader, dataset, save_dir: Path, half: bool) -> dict:
+def final_validation(ema: ModelEMA, loader, dataset, save_dir: Path, amp) -> dict:
     """Validate best.pt (or last.pt) once more, with plots; rank 0 prints the table."""
     weights = save_dir / "weights"
     path = weights / "best.pt" if (weights / "best.pt").is_file() else weights / "last.pt"
@@ -439,7 +445,7 @@ def final_validation(ema: ModelEMA, loader, dataset, save_dir: Path, half: bool)
     if dist.is_main() and (save_dir / "results.csv").exists():
         plot_results(save_dir / "results.csv")
     ema.ema.load_state_dict(dist.run_on_main(lambda: checkpoint.load(path)["ema"]))
-    metrics = evaluate(ema.ema, loader, dataset, plots_dir=save_dir, half=half)
+    metrics = evaluate(ema.ema, loader, dataset, plots_dir=save_dir, amp=amp)
     dist.print0(format_table(metrics, ema.ema.names) + f"\nResults saved to {save_dir}")
     return metrics
 

@@ -32,13 +32,14 @@ from yolo_min.datasets import (
     check_task,
     load_data_config,
 )
-from yolo_min.models import de_parallel, make_divisible
+from yolo_min.models import amp_dtype, de_parallel, make_divisible
 from yolo_min.plots import draw_batch
 
 # the official COCO category ids of the 80 YOLO classes (COCO numbers 91, 11 of them unused)
 COCO91_IDS = [*range(1, 12), *range(13, 26), 27, 28, *range(31, 45), *range(46, 66), 67, 70]
 COCO91_IDS += [*range(72, 83), *range(84, 91)]
 MASK_CHUNK = 32  # masks assembled at once at full resolution (bounds memory)
+AMP_HELP = "mixed precision: auto (CUDA fp16, CPU bf16 where native), on, off (exact fp32)"
 VAL_NMS = dict(conf_thres=0.001, iou_thres=0.6, multi_label=True, max_det=300)  # yolov5's val.py
 
 
@@ -91,7 +92,7 @@ def score_image(index, det, gt: dict, shape, input_hw, protos=None, json_meta=No
 
 @torch.no_grad()
 def evaluate(
-    model, loader, dataset, nms=VAL_NMS, plots_dir=None, save_json=None, coco_ids=False, half=False
+    model, loader, dataset, nms=VAL_NMS, plots_dir=None, save_json=None, coco_ids=False, amp=None
 ) -> dict:
     """Score `model` on this rank's shard of `loader`; every rank returns the same metrics.
 
@@ -100,6 +101,7 @@ def evaluate(
     {"preprocess", "inference", "nms"} in ms per image (this rank). nms: non_max_suppression's
     options. plots_dir: where rank 0 draws the first batches (with model.names). save_json: a
     path for COCO's results format (category ids cls + 1, or the COCO-91 ids with coco_ids).
+    amp: the autocast dtype of the model's forward (models.amp_dtype), None for float32.
     """
     model = de_parallel(model)
     was_training = model.training
@@ -111,7 +113,7 @@ def evaluate(
         t0 = now(device)
         images = preprocess(batch["images"], device, classify)
         t1 = now(device)
-        with torch.autocast(device.type, torch.float16, enabled=half and device.type == "cuda"):
+        with torch.autocast(device.type, amp, enabled=amp is not None):
             out = model(images)
         preds, protos = out if nm else (out, None)
         t2 = now(device)
@@ -195,7 +197,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-det", type=int, default=300)
     p.add_argument("--device", default="", help="cpu, 0, cuda:1 (default: cuda if available)")
     p.add_argument("--workers", type=int, default=4)
-    p.add_argument("--half", action="store_true", help="fp16 autocast inference (CUDA)")
+    p.add_argument("--amp", choices=["auto", "on", "off"], default="auto", help=AMP_HELP)
     p.add_argument("--save-json", action="store_true", help="write predictions.json")
     p.add_argument("--coco-ids", action="store_true", help="COCO-91 ids in predictions.json")
     p.add_argument("--plots", action="store_true", help="save label/prediction images")
@@ -210,7 +212,9 @@ def main(args: argparse.Namespace) -> dict:
     """Validate; rank 0 prints the table and writes metrics.json. Returns evaluate's metrics."""
     info = dist.setup(args.device)
     try:
-        model = load_model(args.weights, info.device)
+        amp = amp_dtype(info.device, args.amp)
+        layout = torch.channels_last if amp else None  # faster under autocast (CPU and CUDA)
+        model = load_model(args.weights, info.device).to(memory_format=layout)
         imgsz = make_divisible(args.imgsz, int(model.stride.max()))
         with dist.main_first():  # local rank 0 verifies the labels and writes their cache first
             data = load_data_config(args.data)
@@ -238,7 +242,7 @@ def main(args: argparse.Namespace) -> dict:
         nms = dict(conf_thres=args.conf_thres, iou_thres=args.iou_thres, max_det=args.max_det)
         kw = dict(plots_dir=save_dir if args.plots else None, coco_ids=args.coco_ids)
         kw |= dict(save_json=save_dir / "predictions.json" if args.save_json else None)
-        res = evaluate(model, loader, dataset, VAL_NMS | nms, half=args.half, **kw)
+        res = evaluate(model, loader, dataset, VAL_NMS | nms, amp=amp, **kw)
         if info.is_main:
             print(format_table(res, data["names"], args.verbose))
             s = res["speed"]

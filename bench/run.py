@@ -1,15 +1,18 @@
 """Every speed figure of yolo_min in one table, with a description of the machine it ran on.
 
-    python bench/run.py            # everything: about 13 minutes on 2 CPU cores
-    python bench/run.py --quick    # imgsz 320 only, fewer images, no DDP: about 4 minutes
+    python bench/run.py            # everything: about 40 minutes on 2 CPU cores
+    python bench/run.py --quick    # imgsz 320 only, fewer images, no end to end, no DDP
 
-Sections (each also runnable alone, with more detail): bench_data.py (dataloader img/s of one worker
-process, 1 thread, next to yolov5's OpenCV pipeline), bench_train.py (train.py's loop against the
-model-only step rate, peak RSS, torchrun 2x1 against 1x2), bench_loss.py (the loss's share of a
-training step), bench_val.py (val.evaluate img/s: model + NMS + matching + AP). Needs ../shared/data
+Sections (each also runnable alone, with more detail): bench_data.py (dataloader img/s of one
+worker process, 1 thread, next to yolov5's OpenCV pipeline), bench_train.py (train.py's loop against
+the model-only step rate with --amp off and auto, peak RSS; the model-only step in fp32 / bf16 x
+contiguous / channels_last; end to end, 3 epochs of coco128, --amp off against auto; torchrun 2x1
+against 1x2), bench_loss.py (the loss's share of a training step), bench_val.py (val.evaluate
+img/s: model + NMS + matching + AP, and the model alone, in each layout). Needs ../shared/data
 (coco128, coco128-seg, coco8). Asserts nothing: compare the yolo_min column with the last one.
 Timings are wall clock (the dataloader's also CPU time): run it on an otherwise idle machine.
 """
+
 import argparse
 import contextlib
 import os
@@ -28,66 +31,93 @@ import bench_val  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 TASK = {"detect": "det", "segment": "seg", "det": "det", "seg": "seg"}
+YOLOV5_E2E = 1.18  # yolov5's end-to-end time / yolo_min --amp off's, measured in one run (issue 14)
 
 
 def machine() -> str:
     """CPU model, cores, torch version and threads (and the GPU, if any) in one line."""
     cpu = platform.processor() or platform.machine()
     try:
-        info = dict(ln.split(":", 1) for ln in open("/proc/cpuinfo").read().split("\n\n")[0].splitlines() if ":" in ln)
-        info = {k.strip(): v.strip() for k, v in info.items()}
-        cpu = info.get("model name", cpu) + (f" @ {float(info['cpu MHz']) / 1000:.1f} GHz" if "cpu MHz" in info else "")
+        first = open("/proc/cpuinfo").read().split("\n\n")[0].splitlines()
+        info = {k.strip(): v.strip() for k, v in (ln.split(":", 1) for ln in first if ":" in ln)}
+        ghz = f" @ {float(info['cpu MHz']) / 1000:.1f} GHz" if "cpu MHz" in info else ""
+        cpu = info.get("model name", cpu) + ghz
     except (OSError, ValueError):
         pass
     gpu = f", GPU {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else ""
-    return (f"{cpu}, {os.cpu_count()} cores ({len(os.sched_getaffinity(0))} usable), Python "
-            f"{platform.python_version()}, torch {torch.__version__}, {torch.get_num_threads()} threads{gpu}")
+    cores = f"{os.cpu_count()} cores ({len(os.sched_getaffinity(0))} usable)"
+    versions = f"Python {platform.python_version()}, torch {torch.__version__}"
+    return f"{cpu}, {cores}, {versions}, {torch.get_num_threads()} threads{gpu}"
 
 
 def log(msg: str) -> None:
-    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+    load = os.getloadavg()[0]
+    print(f"[bench {time.strftime('%H:%M:%S')} load {load:.1f}] {msg}", file=sys.stderr, flush=True)
 
 
 def measure(quick: bool) -> list[tuple[str, str, str, str]]:
     """Run every section; rows (figure, case, yolo_min value, yolov5 reference or target)."""
     sizes = (320,) if quick else (320, 640)
+    cases = [f"{t}{s}" for s in sizes for t in ("det", "seg")]
     rows = []
+
+    def add(figure: str, case: str, value: str, ref: str = "-") -> None:
+        rows.append((figure, case, value, ref))
+
     log("dataloader pipelines (1 process, 1 thread)")
     for r in bench_data.data_rates(str(DATA), n=64 if quick else 256, sizes=sizes):
         ref = f"{r['ref']} (yolov5 OpenCV)" if r["ref"] else "-"
-        rows.append((f"dataloader {r['mode']} img/s (cpu time)", f"{TASK[r['task']]} {r['imgsz']}",
-                     f"{r['cpu']:.0f}", ref))
+        case = f"{TASK[r['task']]} {r['imgsz']}"
+        add(f"dataloader {r['mode']} img/s (cpu time)", case, f"{r['cpu']:.0f}", ref)
 
-    log("training loop vs model-only step (child processes)")
-    for case in [f"{t}{s}" for s in sizes for t in ("det", "seg")]:
-        r = bench_train.run_case(case, iters=4 if quick else 8)
-        name = f"{case[:3]} {case[3:]}"
+    log("training loop vs model-only step (child processes), --amp off and auto")
+    for case, amp in [(c, a) for c in cases for a in ("off", "auto")]:
+        r = bench_train.run_case(case, iters=4 if quick else 8, amp=amp)
+        name, yolov5 = f"{case[:3]} {case[3:]} --amp {amp}", case == "det320" and amp == "off"
         if "error" in r:
-            rows.append(("train loop img/s (b16, 2 workers)", name, "failed", r["error"].splitlines()[-1][:40]))
+            add("train loop img/s (b16, 2 workers)", name, "failed", r["error"][-40:])
             continue
-        det320 = case == "det320"
-        rows += [("train loop img/s (b16, 2 workers)", name, f"{r['loop']:.1f}", "13.3 (yolov5)" if det320 else "-"),
-                 ("model-only img/s (fwd+loss+bwd+step)", name, f"{r['model_only']:.1f}",
-                  "15.1 (yolov5)" if det320 else "-"),
-                 ("loop / model-only", name, f"{r['loop'] / r['model_only']:.0%}", ">= 95% (yolov5 88%)"),
-                 ("peak RSS of the training process", name, f"{r['rss_gb']:.2f} GB",
-                  "< 2 GB (yolov5 2.05 GB)" if det320 else "-")]
+        loop, model = r["loop"], r["model_only"]
+        add("train loop img/s (b16, 2 workers)", name, f"{loop:.1f}", "13.3 (yolov5)" * yolov5)
+        add("model-only img/s (fwd+loss+bwd+step)", name, f"{model:.1f}", "15.1 (yolov5)" * yolov5)
+        add("loop / model-only", name, f"{loop / model:.0%}", ">= 95% (yolov5 88%)")
+        rss = f"{r['rss_gb']:.2f} GB"
+        add("peak RSS of the training process", name, rss, "< 2 GB (yolov5 2.05 GB)" * yolov5)
+
+    log("model-only step: fp32 / bf16 x contiguous / channels_last (child processes)")
+    figure = "model-only img/s, " + " / ".join(bench_train.LAYOUTS)
+    for case in cases:
+        r = bench_train.run_case(case, iters=4 if quick else 8, layouts=True)
+        rates = " / ".join(f"{r[k]:.1f}" for k in bench_train.LAYOUTS) if "error" not in r else ""
+        add(figure, f"{case[:3]} {case[3:]}", rates or "failed")
 
     log("loss share of a training step")
-    r = bench_loss.loss_share("yolov5n-seg.yaml", 320, 16, iters=2 if quick else 3)
-    rows.append(("loss share of fwd+loss+bwd", "seg 320 b16", f"{r['share']:.1%}", "< 15%"))
+    for amp in ("off", "auto"):
+        r = bench_loss.loss_share("yolov5n-seg.yaml", 320, 16, iters=2 if quick else 3, amp=amp)
+        add("loss share of fwd+loss+bwd", f"seg 320 b16 --amp {amp}", f"{r['share']:.1%}", "< 20%")
 
-    log("validation (model + NMS + matching + AP)")
-    for r in bench_val.val_rates(sizes=sizes, device="cpu", images=32 if quick else 128):
-        rows.append(("val img/s (b16, conf 1e-4, 300 det/img)", f"{TASK[r['task']]} {r['imgsz']}",
-                     f"{r['img_s']:.1f}", "-"))
+    log("validation (model + NMS + matching + AP) and inference, each layout")
+    layouts = list(bench_val.LAYOUTS)
+    for r in bench_val.val_rates(sizes=sizes, images=32 if quick else 128, layouts=layouts):
+        case = f"{TASK[r['task']]} {r['imgsz']} {r['layout']}"
+        add("val img/s (b16, conf 1e-4, 300 det/img)", case, f"{r['img_s']:.1f}")
+        model = f"{1000 / r['speed']['inference']:.1f}"
+        add("inference img/s (the model alone, in val)", case, model)
 
     if not quick:
+        log("end to end: train.py, 3 epochs of coco128 det 320, --amp off vs auto")
+        e = bench_train.end_to_end()
+        off, auto = (sum(e[a]) / len(e[a]) if e[a] else float("nan") for a in ("off", "auto"))
+        figure = "end to end s (train.py, 3 epochs coco128)"
+        add(figure, "det 320 b16 --amp off", f"{off:.0f}", f"yolov5 {YOLOV5_E2E} x this")
+        add(figure, "det 320 b16 --amp auto", f"{auto:.0f}")
+        implied = f"{YOLOV5_E2E * off / auto:.2f}x vs yolov5 (target >= 2x)"
+        add("end to end speed-up, --amp auto / off", "det 320 b16", f"{off / auto:.2f}x", implied)
         log("torchrun: 2 processes x 1 thread vs 1 process x 2 threads")
         d = bench_train.ddp_compare()
-        rows += [("train img/s, 1 process x 2 threads", "det 320 b16", f"{d['1x2']:.1f}", "-"),
-                 ("train img/s, torchrun 2 processes x 1 thread", "det 320 b16", f"{d['2x1']:.1f}", "-"),
-                 ("DDP 2x1 / 1x2", "det 320 b16", f"{d['ratio']:.0%}", ">= 90%")]
+        add("train img/s, 1 process x 2 threads", "det 320 b16", f"{d['1x2']:.1f}")
+        add("train img/s, torchrun 2 processes x 1 thread", "det 320 b16", f"{d['2x1']:.1f}")
+        add("DDP 2x1 / 1x2", "det 320 b16", f"{d['ratio']:.0%}", ">= 90%")
     return rows
 
 
@@ -96,19 +126,20 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="imgsz 320 only, fewer images, no DDP")
     args = p.parse_args()
     if not DATA.exists():
-        sys.exit(f"bench/run.py: {DATA} is absent: the benchmarks read coco128, coco128-seg and coco8 from it")
+        sys.exit(f"bench/run.py: {DATA} is absent: the benchmarks read coco128(-seg) and coco8")
     t0, load0 = time.time(), os.getloadavg()[0]
-    with contextlib.redirect_stdout(sys.stderr):  # dataset summaries and warnings: stdout holds the table only
+    with contextlib.redirect_stdout(sys.stderr):  # summaries and warnings: stdout has the table
         rows = measure(args.quick)
     minutes, load1 = (time.time() - t0) / 60, os.getloadavg()[0]
     head = ("figure", "case", "yolo_min", "yolov5 / target")
     w = [max(len(r[i]) for r in [head, *rows]) for i in range(4)]
-    print(f"yolo_min benchmarks ({'--quick' if args.quick else 'full'}, {minutes:.1f} min; load average "
-          f"{load0:.1f} at start, {load1:.1f} at end)\n{machine()}\n")
+    kind = "--quick" if args.quick else "full"
+    load = f"load average {load0:.1f} at start, {load1:.1f} at end"
+    print(f"yolo_min benchmarks ({kind}, {minutes:.1f} min; {load})\n{machine()}\n")
     print(f"| {head[0]:{w[0]}s} | {head[1]:{w[1]}s} | {head[2]:>{w[2]}s} | {head[3]:{w[3]}s} |")
     print(f"|{'-' * (w[0] + 2)}|{'-' * (w[1] + 2)}|{'-' * (w[2] + 1)}:|{'-' * (w[3] + 2)}|")
     for f, c, v, ref in rows:
-        print(f"| {f:{w[0]}s} | {c:{w[1]}s} | {v:>{w[2]}s} | {ref:{w[3]}s} |")
+        print(f"| {f:{w[0]}s} | {c:{w[1]}s} | {v:>{w[2]}s} | {(ref or '-'):{w[3]}s} |")
 
 
 if __name__ == "__main__":

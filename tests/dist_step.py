@@ -6,6 +6,8 @@ BatchNorm stays in eval mode so that per-rank batch statistics do not enter. Ran
 rank 0's mirrored left-right: the loss means over positives then have equal counts on both ranks,
 which is when yolov5's DDP loss equals the single-process one exactly. The epoch is one after the
 warmup, so weights and biases move alike. Prints `MAXDIFF <value> MOVED <value>` on rank 0.
+`--amp-on`: both under bfloat16 autocast and channels_last (train.py --amp on, on a CPU), which
+round batches of 4 and of 8 differently: equal to a tolerance only.
 """
 
 import sys
@@ -94,7 +96,8 @@ def main():
         torch.manual_seed(0)
         model = frozen_bn(Model(cfg, nc=3))
         hyp = train.load_hyp("", model.task)
-        args = train.get_args_parser().parse_args(["--imgsz", "64", "--epochs", "300"])
+        amp = ["--amp", "on" if "--amp-on" in sys.argv else "off"]
+        args = train.get_args_parser().parse_args(["--imgsz", "64", "--epochs", "300", *amp])
         args.batch_size = 8  # the global batch, 2 x 4 or 1 x 8
         train.check_args(args, model.task, 1)
         batch = classify_batch if classify else lambda seed: make_batch(seed, segment)

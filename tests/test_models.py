@@ -1,13 +1,14 @@
 """Models: architecture, exact numerics against yolov5 fixtures, config errors, checkpoint import."""
 import math
 import pickle
+from copy import deepcopy
 
 import pytest
 import torch
 import torch.nn as nn
 
 from yolo_min.checkpoint import CheckpointError, load_model
-from yolo_min.models import CFG_DIR, Model
+from yolo_min.models import CFG_DIR, Model, amp_dtype
 
 ATOL = 1e-4
 
@@ -157,3 +158,33 @@ def test_malicious_checkpoint_refused(tmp_path, monkeypatch):
     with pytest.raises(CheckpointError, match=r"evil\.pt: refusing '(posix|os)\.system'"):
         load_model(path)
     assert not (tmp_path / "PWNED_MARKER").exists()
+
+
+def test_amp_dtype(monkeypatch):
+    """--amp: float16 on CUDA; on a CPU bfloat16 where it is native (auto) or asked for (on)."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert amp_dtype(cuda, "auto") == amp_dtype(cuda, "on") == torch.float16
+    assert amp_dtype(cuda, "off") is None and amp_dtype(cpu, "off") is None
+    bf16 = torch.bfloat16
+    cases = [({"avx512_bf16": True}, bf16), ({"amx_bf16": True}, bf16), ({"bf16": True}, bf16)]
+    for caps, auto in [*cases, ({"avx512_bf16": False, "avx2": True}, None)]:
+        monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: caps)
+        assert amp_dtype(cpu, "auto") == auto and amp_dtype(cpu, "on") == torch.bfloat16
+
+
+def test_channels_last_does_not_change_checkpoints(tmp_path):
+    """A channels_last model (as --amp trains it) saves the values of the contiguous one: its
+    checkpoint equals that one's and loads into a contiguous model with the same outputs."""
+    torch.manual_seed(0)
+    model = Model("yolov5n-seg.yaml", nc=3).eval()
+    fast = deepcopy(model).to(memory_format=torch.channels_last)
+    assert fast.model[0].conv.weight.is_contiguous(memory_format=torch.channels_last)
+    for m, name in ((model, "a.pt"), (fast, "b.pt")):
+        torch.save({"model_cfg": m.yaml, "model": m.state_dict(), "names": []}, tmp_path / name)
+    a, b = (torch.load(tmp_path / name, weights_only=True)["model"] for name in ("a.pt", "b.pt"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    loaded = load_model(tmp_path / "b.pt")
+    assert all(p.is_contiguous() for p in loaded.parameters())
+    x = torch.rand(2, 3, 64, 64)
+    with torch.no_grad():
+        assert all(torch.equal(u, v) for u, v in zip(loaded(x), model(x)))
