@@ -1,11 +1,11 @@
-"""Run a yolo_min or yolov5 checkpoint on images: boxes (and masks), drawn and written as yolov5's
-detect.py and segment/predict.py do.
+"""Run a yolo_min or yolov5 checkpoint on images: boxes (and masks), or a classifier's top 5, drawn
+and written as yolov5's detect.py, segment/predict.py and classify/predict.py do.
 
     python predict.py --weights best.pt --source images/ --save-txt
     torchrun --nproc_per_node 2 predict.py --weights best.pt --source 'photos/*.jpg'  # files shared
 
-From Python: `predict(model, images)` returns per image its boxes and masks, `draw(result)` pictures
-one, `run(weights=..., source=...)` is the command line. Writes to runs/predict/exp, exp2, ...
+From Python: `predict(model, images)` returns per image its results, `draw(result)` pictures one,
+`run(weights=..., source=...)` is the command line. Writes to runs/predict/exp, exp2, ...
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torchvision.transforms.v2.functional as TF
 from PIL import Image, ImageDraw, ImageOps
 from torch.utils.data import DataLoader, Dataset
 
-from val import AMP_HELP, cli, now, parse_kwargs, preprocess
+from val import AMP_HELP, STAGES, cli, now, parse_kwargs, preprocess, speed_line
 from yolo_min import dist, ops
 from yolo_min.checkpoint import load_model, next_run_dir
 from yolo_min.labels import IMG_FORMATS, DataError
@@ -35,8 +35,8 @@ PREDICT_NMS = dict(conf_thres=0.25, iou_thres=0.45, max_det=1000)  # yolov5's de
 
 
 def find_images(source: str) -> list[str]:
-    """The image files of a source: an image, a folder (sorted, not recursive), a glob, or a .txt
-    file listing paths (one a line, relative to the working directory)."""
+    """The images of an image file, a folder (sorted, not recursive), a glob, or a .txt file of
+    paths (one a line, relative to the working directory)."""
     path = Path(source)
     if path.suffix == ".txt" and path.is_file():
         files = [line.strip() for line in path.read_text().splitlines() if line.strip()]
@@ -52,10 +52,9 @@ def find_images(source: str) -> list[str]:
 
 
 def letterbox(image: torch.Tensor, imgsz: int, stride: int) -> tuple[torch.Tensor, tuple]:
-    """uint8 (h, w, 3) -> (uint8 (3, H, W) network input, ratio_pad) as yolov5's inference does:
-    resized to long side imgsz in whole pixels (bilinear without antialiasing, OpenCV's
-    INTER_LINEAR), centred on the smallest stride-multiple canvas of 114 grey. ratio_pad maps
-    back as yolov5's scale_boxes: ((r, r), ((W - w * r) / 2, (H - h * r) / 2))."""
+    """uint8 (h, w, 3) -> (uint8 (3, H, W) input, ratio_pad) as yolov5's inference: long side
+    resized to imgsz in whole pixels (bilinear, no antialiasing: OpenCV's INTER_LINEAR), centred
+    on the smallest stride-multiple canvas of 114 grey."""
     (h0, w0), x = image.shape[:2], image.permute(2, 0, 1)
     r = imgsz / max(h0, w0)
     h, w = round(h0 * r), round(w0 * r)
@@ -64,13 +63,14 @@ def letterbox(image: torch.Tensor, imgsz: int, stride: int) -> tuple[torch.Tenso
         x = F.interpolate(x[None], size=(h, w), mode="bilinear", antialias=False)[0]
     top, left = round((H - h) / 2 - 0.1), round((W - w) / 2 - 0.1)
     canvas = F.pad(x, (left, W - w - left, top, H - h - top), value=114)
-    return canvas, ((r, r), ((W - w0 * r) / 2, (H - h0 * r) / 2))
+    return canvas, ((r, r), ((W - w0 * r) / 2, (H - h0 * r) / 2))  # as yolov5's scale_boxes
 
 
 class Images(Dataset):
-    """Images (paths, PIL images or uint8 (h, w, 3) RGB arrays) letterboxed for the network. Sample
-    k: {"index": k, "path" (None in memory), "image" uint8 (h, w, 3) RGB, EXIF orientation applied,
-    "input" uint8 (3, H, W), "ratio_pad"}; an unreadable image: {"index", "path", "error"}."""
+    """Images (paths, PIL images or uint8 (h, w, 3) RGB arrays) as samples {"index", "path" (None
+    in memory), "image" uint8 (h, w, 3) RGB (EXIF orientation applied), "input" uint8 (3, H, W)
+    letterboxed (classify: the centre square, resized), "ratio_pad"}, or {"index", "path",
+    "error"} for an unreadable one."""
 
     def __init__(self, images: list, imgsz: int, stride: int, classify: bool = False):
         self.images, self.imgsz, self.stride, self.classify = images, imgsz, stride, classify
@@ -89,7 +89,7 @@ class Images(Dataset):
                 raise ValueError(f"an array of {image.dtype} {tuple(image.shape)}, not uint8 RGB")
         except Exception as e:  # missing, unreadable, not an image, truncated, ...
             return dict(index=k, path=path, error=f"{type(e).__name__}: {e}")
-        if self.classify:  # the centred square, resized (ClassifyDataset's validation input)
+        if self.classify:  # as ClassifyDataset's validation input
             square = TF.center_crop(image.permute(2, 0, 1), min(image.shape[:2]))
             canvas, ratio_pad = TF.resize(square, [self.imgsz] * 2), None
         else:
@@ -98,8 +98,8 @@ class Images(Dataset):
 
 
 def by_shape(samples, batch_size: int):
-    """Lists of up to batch_size samples of one input shape, each as soon as it is full (the rest
-    at the end); an unreadable image's sample alone."""
+    """Lists of up to batch_size samples of one input shape, each once full (the rest at the end);
+    an unreadable image's sample alone."""
     pending = {}
     for s in samples:
         shape = tuple(s["input"].shape) if "input" in s else None
@@ -112,14 +112,13 @@ def by_shape(samples, batch_size: int):
 
 @torch.no_grad()
 def stream(model, images, imgsz=640, batch_size=1, workers=0, polygons=False, amp=None, **nms):
-    """Predict images (paths, PIL images or uint8 (h, w, 3) RGB arrays) with an eval-mode Model,
-    batched by input shape (so not in the given order); nms: non_max_suppression's options over
-    PREDICT_NMS. Yields per image {"index" into images, "path" (None in memory), "image" uint8
-    (h, w, 3), "boxes" (n, 6) [x1, y1, x2, y2, conf, cls] (whole pixels) by descending conf, "masks"
-    (n, h, w) bool or None, "names", "speed" ms per image (pre-process, inference, NMS)} (and with
-    polygons, for segment, "polygons": each mask's largest outer polygon (k, 2) [x, y] in pixels),
-    or for an unreadable image {"index", "path", "error"}. workers: processes decoding images.
-    amp: the autocast dtype of the forward pass (models.amp_dtype), None for float32."""
+    """Predict images (see Images) with an eval-mode Model, batched by input shape (so out of
+    order), decoded by `workers` processes, the forward under autocast to amp (models.amp_dtype) or
+    float32 (None); nms: non_max_suppression's options over PREDICT_NMS. Yields per image {"index",
+    "path", "image", "names", "speed" (ms by STAGES)} and "boxes" (n, 6) [x1, y1, x2, y2, conf,
+    cls] (whole original pixels) by descending conf and "masks" (n, h, w) bool or None (with
+    polygons: "polygons", each mask's largest outer polygon (k, 2) [x, y]), or a classifier's
+    "probs" (nc,); or an unreadable image's {"index", "path", "error"}."""
     device, stride = next(model.parameters()).device, int(model.stride.max())
     nm, classify = model.head.nm if model.task == "segment" else 0, model.task == "classify"
     data = Images(images, make_divisible(imgsz, stride), stride, classify)
@@ -134,20 +133,20 @@ def stream(model, images, imgsz=640, batch_size=1, workers=0, polygons=False, am
             out = model(x)
         preds, protos = out if nm else (out, [None] * len(x))
         t2 = now(device)
-        if classify:  # class probabilities, in place of detections
-            dets = [dict(probs=p) for p in preds.float().softmax(1).cpu()]
+        if classify:
+            dets = preds.float().softmax(1).cpu()
         else:
             dets = ops.non_max_suppression(preds.float(), nm=nm, **(PREDICT_NMS | nms))
         speed = np.array([t1 - t0, t2 - t1, now(device) - t2]) * 1000 / len(group)
         for s, det, proto in zip(group, dets, protos):
-            res = {k: s[k] for k in ("index", "path", "image")} | dict(names=model.names)
-            out = det if classify else to_original(det, proto, s, x.shape[2:], polygons)
+            res = dict(index=s["index"], path=s["path"], image=s["image"], names=model.names)
+            out = dict(probs=det) if classify else to_original(det, proto, s, x.shape[2:], polygons)
             yield res | dict(speed=speed) | out
 
 
 def to_original(det, protos, sample: dict, input_hw, polygons: bool) -> dict:
-    """An image's detections (n, 6+nm) on its input and prototypes (nm, H/4, W/4) or None ->
-    {"boxes", "masks"(, "polygons")} in original pixels (see stream)."""
+    """An image's detections (n, 6+nm) on the input and prototypes (nm, H/4, W/4) or None ->
+    {"boxes", "masks"(, "polygons")} on the original image (see stream)."""
     (h, w), ratio_pad = sample["image"].shape[:2], sample["ratio_pad"]
     boxes = ops.scale_boxes(det[:, :4], ratio_pad, (h, w)).round()  # whole pixels, as yolov5
     out = dict(boxes=torch.cat((boxes, det[:, 4:6]), 1).cpu(), masks=None)
@@ -167,7 +166,7 @@ def predict(model, images: list, **options) -> list[dict]:
 
 
 def top5(result: dict) -> list[tuple[int, float]]:
-    """A classifier's result: its 5 likeliest (class, probability), likeliest first."""
+    """A classifier's 5 likeliest (class, probability), likeliest first."""
     probs = result["probs"]
     return [(int(c), float(probs[c])) for c in probs.argsort(descending=True)[:5]]
 
@@ -191,14 +190,14 @@ def draw(result: dict, line_width=None, labels=True, conf=True) -> Image.Image:
 def label_lines(result: dict, conf: bool) -> str:
     """yolov5's --save-txt lines, lowest confidence first: detect `cls xc yc w h [conf]`, segment
     `cls x1 y1 x2 y2 ... [conf]` (the mask's largest outer polygon), normalised to the image;
-    classify `prob name`, the top 5, likeliest first."""
+    classify `prob name`, the top 5."""
     if "probs" in result:
         return "".join(f"{p:.2f} {result['names'][c]}\n" for c, p in top5(result))
     h, w = result["image"].shape[:2]
-    boxes, masks, lines = result["boxes"].numpy(), result["masks"], []
+    boxes, lines = result["boxes"].numpy(), []
     for k in reversed(range(len(boxes))):
         shape = ops.xyxy2xywh(boxes[k, :4]) / [w, h, w, h]
-        if masks is not None:  # an empty mask: its box's corners
+        if result["masks"] is not None:  # an empty mask: its box's corners
             poly = result["polygons"][k]
             shape = (poly if len(poly) else ops.box_corners(boxes[k, :4])) / [w, h]
         values = [boxes[k, 5], *shape.ravel(), *(boxes[k, 4:5] if conf else [])]
@@ -209,15 +208,17 @@ def label_lines(result: dict, conf: bool) -> str:
 def json_entry(result: dict) -> dict:
     """An image for --save-json: file, size, and per detection class id and name, confidence, box
     xyxy (original pixels) and, for segment, the mask as COCO RLE (classify: the top 5 classes)."""
-    h, w = result["image"].shape[:2]
+    entry = dict(
+        file=result["path"], width=result["image"].shape[1], height=result["image"].shape[0]
+    )
     if "probs" in result:
         top = [dict(class_id=c, name=result["names"][c], confidence=p) for c, p in top5(result)]
-        return dict(file=result["path"], width=w, height=h, classes=top)
+        return entry | dict(classes=top)
     dets, masks, names = [], result["masks"], result["names"]
     for k, (*box, conf, c) in enumerate(result["boxes"].tolist()):
         det = dict(class_id=int(c), name=names[int(c)], confidence=round(conf, 5), box=box)
         dets.append(det | ({"mask": ops.rle_encode(masks[k])} if masks is not None else {}))
-    return dict(file=result["path"], width=w, height=h, detections=dets)
+    return entry | dict(detections=dets)
 
 
 def save(result: dict, save_dir: Path, args) -> None:
@@ -276,7 +277,7 @@ def get_args_parser() -> argparse.ArgumentParser:
 
 def main(args: argparse.Namespace) -> dict:
     """Predict --source; under torchrun rank r takes images r, r + world_size, ... and rank 0
-    prints the summary. Returns {"save_dir", "images", "skipped", "detections", "speed"}."""
+    reports. Returns {"save_dir", "images", "skipped", "detections", "speed"}."""
     info = dist.setup(args.device)
     try:
         amp = amp_dtype(info.device, args.amp)
@@ -301,30 +302,22 @@ def main(args: argparse.Namespace) -> dict:
                 continue
             save(r, save_dir, args)
             seen, n_det, speed = seen + 1, n_det + len(r.get("boxes", ())), speed + r["speed"]
-            if args.save_json:
+            if args.save_json:  # keyed by the file's place in the source
                 entries.append((info.rank + r["index"] * info.world_size, json_entry(r)))
         ranks = dist.all_gather_object((seen, skipped, n_det, speed, entries))
         seen, skipped, n_det, speed = (sum(r[i] for r in ranks) for i in range(4))
-        speed = dict(zip(("preprocess", "inference", "nms"), (speed / max(seen, 1)).tolist()))
+        speed = dict(zip(STAGES, (speed / max(seen, 1)).tolist()))
         if info.is_main:
-            summarize(args, save_dir, seen, skipped, speed, [e for r in ranks for e in r[4]])
+            if args.save_json:
+                entries = [e for _, e in sorted(e for r in ranks for e in r[4])]
+                (save_dir / "predictions.json").write_text(json.dumps(entries))
+            print(speed_line(speed, f"shape {(args.batch_size, 3, args.imgsz, args.imgsz)}"))
+            print(f"{seen} images" + (f", {skipped} unreadable ones skipped" if skipped else ""))
+            print(f"Results saved to {save_dir}", flush=True)
         out = dict(save_dir=str(save_dir), images=seen, skipped=skipped, detections=n_det)
         return out | dict(speed=speed)
     finally:
         dist.cleanup()
-
-
-def summarize(args, save_dir: Path, seen: int, skipped: int, speed: dict, entries: list) -> None:
-    """Rank 0's report: predictions.json in source order (entries: (file index, json_entry)),
-    yolov5's Speed line, the skipped images and where the results are."""
-    if args.save_json:
-        results = [e for _, e in sorted(entries, key=lambda e: e[0])]
-        (save_dir / "predictions.json").write_text(json.dumps(results))
-    s, shape = speed, (args.batch_size, 3, args.imgsz, args.imgsz)
-    times = f"{s['preprocess']:.1f}ms pre-process, {s['inference']:.1f}ms inference"
-    print(f"Speed: {times}, {s['nms']:.1f}ms NMS per image at shape {shape}")
-    print(f"{seen} images" + (f", {skipped} unreadable ones skipped" if skipped else ""))
-    print(f"Results saved to {save_dir}", flush=True)
 
 
 def run(**kwargs) -> dict:

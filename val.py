@@ -1,10 +1,10 @@
-"""Validate a yolo_min or yolov5 checkpoint on a YOLO dataset: COCO-exact box (and mask) mAP.
+"""Validate a yolo_min or yolov5 checkpoint: COCO-exact box (and mask) mAP, or top-1/5 accuracy.
 
     python val.py --weights best.pt --data coco128.yaml --imgsz 640
     torchrun --nproc_per_node 2 val.py --weights best.pt --data coco128-seg.yaml   # sharded
 
-`evaluate` is also the loop train.py runs on every rank after each epoch. Writes metrics.json (and
-predictions.json in COCO's results format with --save-json) to runs/val/exp, exp2, ...
+`evaluate` is also train.py's validation. Writes metrics.json (and with --save-json
+predictions.json, COCO's results format) to runs/val/exp, exp2, ...
 """
 
 from __future__ import annotations
@@ -21,17 +21,8 @@ import torch
 import torch.nn.functional as F
 import torchvision.transforms.v2.functional as TF
 
-from yolo_min import dist, metrics, ops
+from yolo_min import datasets, dist, metrics, ops
 from yolo_min.checkpoint import load_model, next_run_dir
-from yolo_min.datasets import (
-    IMAGENET_MEAN,
-    IMAGENET_STD,
-    ClassifyDataset,
-    YOLODataset,
-    build_dataloader,
-    check_task,
-    load_data_config,
-)
 from yolo_min.models import amp_dtype, de_parallel, make_divisible
 from yolo_min.plots import draw_batch
 
@@ -41,50 +32,49 @@ COCO91_IDS += [*range(72, 83), *range(84, 91)]
 MASK_CHUNK = 32  # masks assembled at once at full resolution (bounds memory)
 AMP_HELP = "mixed precision: auto (CUDA fp16, CPU bf16 where native), on, off (exact fp32)"
 VAL_NMS = dict(conf_thres=0.001, iou_thres=0.6, multi_label=True, max_det=300)  # yolov5's val.py
+STAGES = ("preprocess", "inference", "nms")  # the "speed" of evaluate and predict, ms per image
 
 
 def preprocess(images: torch.Tensor, device: torch.device, normalize=False) -> torch.Tensor:
-    """uint8 (bs, 3, H, W) batch -> the network's input on the device: float in [0, 1], and for a
-    classifier (normalize) standardised with ImageNet's mean and std as yolov5's."""
+    """uint8 (bs, 3, H, W) -> the network's input on the device: float in [0, 1], for a classifier
+    (normalize) standardised with ImageNet's mean and std."""
     x = images.to(device, non_blocking=True).float() / 255
-    return TF.normalize(x, IMAGENET_MEAN, IMAGENET_STD) if normalize else x
+    return TF.normalize(x, datasets.IMAGENET_MEAN, datasets.IMAGENET_STD) if normalize else x
 
 
-def score_image(index, det, gt: dict, shape, input_hw, protos=None, json_meta=None) -> dict:
-    """Match one image's detections to its ground truth: a metrics.image_record.
-
-    det (n, 6+nm) [x1, y1, x2, y2 (input pixels), conf, cls, coefs...]; gt: dataset.ground_truth
-    (original pixels); shape: (orig_hw, ratio_pad); protos (nm, H/4, W/4) for segmentation. Masks
-    are scored at the original resolution, only for detections near a ground-truth box of their
-    class (others cannot overlap) unless json_meta {"image_id", "coco_ids"} asks for every RLE:
-    then record["json"] holds the image's results in COCO's format.
-    """
-    orig_hw, ratio_pad = shape
+def score_image(dataset, index: int, det, shape, input_hw, protos=None, cat_ids=None) -> dict:
+    """Image index's metrics.image_record: det (n, 6+nm) [x1, y1, x2, y2 (input pixels), conf,
+    cls, coefs] against dataset.ground_truth(index) (original pixels); shape (orig_hw, ratio_pad);
+    protos (nm, H/4, W/4) for masks, made at the original size only for detections near a
+    ground-truth box of their class (others cannot overlap) unless cat_ids (a category id per
+    class) asks for COCO's results format: then record["json"] holds them, with RLE masks."""
+    gt, (orig_hw, ratio_pad) = dataset.ground_truth(index), shape
     boxes = ops.scale_boxes(det[:, :4], ratio_pad, orig_hw)
     gt_boxes = gt["boxes"].to(det.device, torch.float64)
     ious = {"box": ops.box_iou(boxes.double(), gt_boxes).cpu().numpy()}
-    rles = [None] * len(det)
+    rles = [None] * len(det)  # the json's masks
     if protos is not None:
         gt_masks = ops.polygons_to_masks(gt["polygons"], orig_hw).to(det.device)
         pad = 1 + 4 / min(ratio_pad[0])  # masks reach a prototype pixel (4 input px) out of boxes
         near = ops.box_iou(boxes + boxes.new_tensor([-pad, -pad, pad, pad]), gt_boxes.to(boxes)) > 0
         same = det[:, 5:6].long() == gt["cls"].to(det.device)
-        want = (near & same).any(1) | bool(json_meta)
+        want = (near & same).any(1) | (cat_ids is not None)
         iou = torch.zeros(len(det), len(gt_masks), dtype=torch.float64, device=det.device)
-        for idx in want.nonzero().squeeze(1).split(MASK_CHUNK) if want.any() else ():
+        for idx in want.nonzero().squeeze(1).split(MASK_CHUNK):
             masks = ops.process_mask(protos, det[idx, 6:], det[idx, :4], input_hw)
             masks = ops.scale_masks(masks, ratio_pad, orig_hw)
             iou[idx] = ops.mask_iou(masks, gt_masks)
-            for i, m in zip(idx.tolist(), masks) if json_meta else ():
+            for i, m in zip(idx.tolist(), masks) if cat_ids else ():
                 rles[i] = ops.rle_encode(m)
         ious["mask"] = iou.cpu().numpy()
     rec = metrics.image_record(index, det[:, 4].cpu(), det[:, 5].cpu(), gt["cls"], ious)
-    if json_meta:
+    if cat_ids:
+        stem = Path(dataset.im_files[index]).stem
+        image_id = int(stem) if stem.isnumeric() else stem
         xywh = torch.cat((boxes[:, :2], boxes[:, 2:] - boxes[:, :2]), 1).cpu().tolist()
-        cat = COCO91_IDS.__getitem__ if json_meta["coco_ids"] else (lambda c: c + 1)
         rec["json"] = []
         for b, s, c, r in zip(xywh, det[:, 4].tolist(), det[:, 5].tolist(), rles):
-            res = {"image_id": json_meta["image_id"], "category_id": cat(int(c))}
+            res = {"image_id": image_id, "category_id": cat_ids[int(c)]}
             res |= {"bbox": [round(v, 3) for v in b], "score": round(s, 5)}
             rec["json"].append(res | ({"segmentation": r} if r else {}))
     return rec
@@ -94,21 +84,19 @@ def score_image(index, det, gt: dict, shape, input_hw, protos=None, json_meta=No
 def evaluate(
     model, loader, dataset, nms=VAL_NMS, plots_dir=None, save_json=None, coco_ids=False, amp=None
 ) -> dict:
-    """Score `model` on this rank's shard of `loader`; every rank returns the same metrics.
-
-    Call it on every rank (it gathers). Batches: dicts with uint8 `images`, `shapes`, `indices`;
-    `dataset.ground_truth(index)` gives the labels. Returns metrics.summarize's dict and "speed"
-    {"preprocess", "inference", "nms"} in ms per image (this rank). nms: non_max_suppression's
-    options. plots_dir: where rank 0 draws the first batches (with model.names). save_json: a
-    path for COCO's results format (category ids cls + 1, or the COCO-91 ids with coco_ids).
-    amp: the autocast dtype of the model's forward (models.amp_dtype), None for float32.
-    """
+    """Score model on this rank's shard of loader (collated batches; dataset.ground_truth gives the
+    labels); call it on every rank, all return metrics.summarize's (or summarize_classes') dict and
+    "speed" (this rank's ms per image by STAGES). nms: non_max_suppression's options; plots_dir:
+    where rank 0 draws 3 batches; save_json: a path for COCO's results format (category ids cls + 1,
+    or the COCO-91 ids with coco_ids); amp: the forward's autocast dtype (models.amp_dtype) or None
+    (float32)."""
     model = de_parallel(model)
     was_training = model.training
     model.eval()
     device, classify = next(model.parameters()).device, model.task == "classify"
     nm = model.head.nm if model.task == "segment" else 0
     records, seen, times = [], 0, np.zeros(3)
+    cat_ids = (COCO91_IDS if coco_ids else range(1, model.nc + 1)) if save_json else None
     for bi, batch in enumerate(loader):
         t0 = now(device)
         images = preprocess(batch["images"], device, classify)
@@ -125,23 +113,15 @@ def evaluate(
         times += (t1 - t0, t2 - t1, now(device) - t2)
         seen += len(images)
         for j, det in enumerate(dets):
-            index = int(batch["indices"][j])
-            stem = Path(dataset.im_files[index]).stem
-            meta = {"image_id": int(stem) if stem.isnumeric() else stem, "coco_ids": coco_ids}
-            gt, proto = dataset.ground_truth(index), protos[j].float() if nm else None
+            index, proto = int(batch["indices"][j]), protos[j].float() if nm else None
             shape, hw = batch["shapes"][j], images.shape[2:]
-            records.append(score_image(index, det, gt, shape, hw, proto, save_json and meta))
+            records.append(score_image(dataset, index, det, shape, hw, proto, cat_ids))
         if plots_dir is not None and bi < 3 and dist.is_main() and not classify:
             plot_batch(batch, dets, protos, Path(plots_dir) / f"val_batch{bi}", model.names)
     records = metrics.merge_records(dist.all_gather_object(records))
-    res = (
-        metrics.summarize_classes(records)
-        if classify
-        else metrics.summarize(records, metrics.KINDS[model.task])
-    )
-    res["speed"] = dict(
-        zip(("preprocess", "inference", "nms"), (times * 1000 / max(seen, 1)).tolist())
-    )
+    kinds = metrics.KINDS[model.task]
+    res = metrics.summarize_classes(records) if classify else metrics.summarize(records, kinds)
+    res["speed"] = dict(zip(STAGES, (times * 1000 / max(seen, 1)).tolist()))
     if save_json and dist.is_main():
         Path(save_json).write_text(json.dumps([d for r in records for d in r["json"]]))
     model.train(was_training)
@@ -155,9 +135,14 @@ def now(device: torch.device) -> float:
     return time.perf_counter()
 
 
+def speed_line(speed: dict, at: str) -> str:
+    """yolov5's "Speed: ..." line of ms per image by STAGES."""
+    stages = zip(STAGES, ("pre-process", "inference", "NMS"))
+    return "Speed: " + ", ".join(f"{speed[k]:.1f}ms {s}" for k, s in stages) + f" per image at {at}"
+
+
 def plot_batch(batch: dict, dets: list, protos, prefix: Path, names: list) -> None:
-    """Labels and predictions (conf >= 0.25) of one batch as two JPEG grids, prefix_labels.jpg
-    and prefix_pred.jpg."""
+    """A batch's labels and predictions (conf >= 0.25): prefix_labels.jpg, prefix_pred.jpg."""
     preds = [d[d[:, 4] >= 0.25] for d in dets]
     hw = batch["images"].shape[2:]
     masks = None
@@ -215,28 +200,28 @@ def main(args: argparse.Namespace) -> dict:
         amp = amp_dtype(info.device, args.amp)
         layout = torch.channels_last if amp else None  # faster under autocast (CPU and CUDA)
         model = load_model(args.weights, info.device).to(memory_format=layout)
+        lws = info.local_world_size
         imgsz = make_divisible(args.imgsz, int(model.stride.max()))
         with dist.main_first():  # local rank 0 verifies the labels and writes their cache first
-            data = load_data_config(args.data)
-            check_task(data, model.task)
+            data = datasets.load_data_config(args.data)
+            datasets.check_task(data, model.task)
             if model.nc != data["nc"]:
                 raise ValueError(f"{args.weights}: {model.nc} classes, {args.data}: {data['nc']}")
             if args.coco_ids and data["nc"] != 80:
                 raise ValueError(f"--coco-ids: {args.data} does not have the 80 COCO classes")
-            kw = dict(task=model.task, stride=int(model.stride.max()), nc=data["nc"])
-            kw |= dict(verbose=info.is_main, local_world_size=info.local_world_size)
             if model.task == "classify":
-                dataset = ClassifyDataset(data["val"][0], imgsz, verbose=info.is_main)
+                dataset = datasets.ClassifyDataset(data["val"][0], imgsz, verbose=info.is_main)
             else:
-                dataset = YOLODataset(
-                    data["val"], imgsz, rect=True, batch_size=args.batch_size, **kw
-                )
+                kw = dict(task=model.task, stride=int(model.stride.max()), nc=data["nc"])
+                kw |= dict(rect=True, batch_size=args.batch_size, verbose=info.is_main)
+                dataset = datasets.YOLODataset(data["val"], imgsz, **kw, local_world_size=lws)
             if model.task == "segment":
                 dataset.check_polygons()
         model.names = data["names"]
-        ranks = dict(rank=info.rank, world_size=info.world_size)
-        ranks |= dict(local_world_size=info.local_world_size)
-        loader, _ = build_dataloader(dataset, args.batch_size, args.workers, False, **ranks)
+        ranks = dict(rank=info.rank, world_size=info.world_size, local_world_size=lws)
+        loader, _ = datasets.build_dataloader(
+            dataset, args.batch_size, args.workers, False, **ranks
+        )
         save_dir = dist.run_on_main(next_run_dir, args.project, args.name, args.exist_ok)
         save_dir.mkdir(parents=True, exist_ok=True)
         nms = dict(conf_thres=args.conf_thres, iou_thres=args.iou_thres, max_det=args.max_det)
@@ -245,11 +230,9 @@ def main(args: argparse.Namespace) -> dict:
         res = evaluate(model, loader, dataset, VAL_NMS | nms, amp=amp, **kw)
         if info.is_main:
             print(format_table(res, data["names"], args.verbose))
-            s = res["speed"]
-            speed = f"{s['preprocess']:.1f}ms pre-process, {s['inference']:.1f}ms inference"
-            print(f"Speed: {speed}, {s['nms']:.1f}ms NMS per image at {imgsz} (rank 0)")
-            keep = ("metrics", "fitness", "images", "instances", "speed") & res.keys()
-            (save_dir / "metrics.json").write_text(json.dumps({k: res[k] for k in keep}, indent=2))
+            print(speed_line(res["speed"], f"{imgsz} (rank 0)"))
+            summary = {k: v for k, v in res.items() if k != "per_class"}
+            (save_dir / "metrics.json").write_text(json.dumps(summary, indent=2))
             print(f"Results saved to {save_dir}")
         return res
     finally:
@@ -257,8 +240,8 @@ def main(args: argparse.Namespace) -> dict:
 
 
 def parse_kwargs(parser: argparse.ArgumentParser, kwargs: dict) -> argparse.Namespace:
-    """The arguments of a `run(**kwargs)` call: the parser's defaults, and kwargs (its options as
-    Python names: batch_size for --batch-size) in their place. TypeError if unknown or missing."""
+    """A `run(**kwargs)` call's arguments: the parser's defaults, replaced by kwargs (batch_size for
+    --batch-size); TypeError for unknown or missing ones."""
     actions = [a for a in parser._actions if a.dest != "help"]
     if unknown := sorted(set(kwargs) - {a.dest for a in actions}):
         raise TypeError(f"unknown option(s) {unknown}: see {parser.prog} --help")
@@ -274,7 +257,7 @@ def run(**kwargs) -> dict:
 
 def cli(main, parser: argparse.ArgumentParser) -> None:
     """main(the command line's arguments); a bad argument, weights or input file (ValueError,
-    OSError) is one line, said by rank 0, and exit 2."""
+    OSError): one line, said by rank 0, and exit 2."""
     try:
         main(parser.parse_args())
     except (ValueError, OSError) as e:

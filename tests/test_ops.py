@@ -37,11 +37,11 @@ def test_nms_semantics_and_mask_coefs():
     assert (multi[:, 4].diff() <= 0).all()  # sorted by confidence
     top2, = non_max_suppression(rows, conf_thres=0.25, iou_thres=0.45, multi_label=True, max_det=2, nm=2)
     torch.testing.assert_close(top2, multi[:2])
-    empty, = non_max_suppression(rows, conf_thres=0.99, nm=2)
+    empty, = non_max_suppression(rows, conf_thres=0.99, iou_thres=0.45, nm=2)
     assert empty.shape == (0, 8)
-    only1, = non_max_suppression(rows, multi_label=True, classes=[1], nm=2)  # filtered before NMS
+    only1, = non_max_suppression(rows, 0.25, 0.45, multi_label=True, classes=[1], nm=2)  # filtered first
     assert only1[:, 6].tolist() == [2, 3] and (only1[:, 5] == 1).all()
-    agnostic, = non_max_suppression(rows, agnostic=True, nm=2)  # row 0 suppresses row 2 (class 1)
+    agnostic, = non_max_suppression(rows, 0.25, 0.45, agnostic=True, nm=2)  # row 0 suppresses row 2 (cls 1)
     assert agnostic[:, 6].tolist() == [0, 3]
 
 

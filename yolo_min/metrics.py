@@ -1,13 +1,7 @@
-"""Detection and segmentation metrics computed exactly as pycocotools' COCOeval does, and top-k
-accuracy for classification (class_records, summarize_classes).
-
-Per image, `match_predictions` matches detections to ground truth greedily in score order at each
-IoU threshold (boxes and masks alike), giving a small record keyed by dataset index. The entry
-scripts gather every rank's records; `merge_records` de-duplicates them and `summarize` turns them
-into AP (101-point interpolated precision envelope, averaged over the classes present in the ground
-truth), P and R at the confidence of maximum mean F1, and the fitness that picks best.pt.
-COCOeval correspondence: areaRng "all", maxDets >= the detections per image, no crowd annotations;
-ties in score are broken by dataset index, then by order within the image.
+"""Box and mask AP exactly as pycocotools' COCOeval (areaRng "all", maxDets >= the detections per
+image, no crowds; score ties broken by dataset index, then order in the image), and top-k accuracy.
+Each image gives a small record keyed by dataset index; the entry scripts gather every rank's and
+`merge_records` de-duplicates them before `summarize` / `summarize_classes`.
 """
 
 from __future__ import annotations
@@ -19,21 +13,14 @@ RECALL_POINTS = np.linspace(0.0, 1.0, 101)  # COCOeval's recThrs
 CONF_GRID = np.linspace(0.0, 1.0, 1000)  # confidences scanned for the max-mean-F1 point
 EPS = np.spacing(1)
 SUFFIX = {"box": "B", "mask": "M"}  # metric names: "mAP50(B)", "mAP50-95(M)", ...
-KINDS = {
-    "detect": ("box",),
-    "segment": ("box", "mask"),
-    "classify": ("class",),
-}  # what a task scores
+KINDS = {"detect": ("box",), "segment": ("box", "mask"), "classify": ("class",)}  # what it scores
 
 
 def match_predictions(iou: np.ndarray, conf, pred_cls, gt_cls) -> np.ndarray:
-    """COCO greedy matching of one image's detections to its ground truth at every IoU threshold.
-
-    iou (n, m) detection x ground-truth IoU (boxes or masks); conf (n,); pred_cls (n,); gt_cls (m,).
-    In descending score order (stable), each detection takes the still-unmatched ground truth of its
-    class with the highest IoU >= t (ties: the later ground truth, as COCOeval).
-    Returns tp (n, T) bool, in the input order of the detections, T = len(IOU_THRESHOLDS).
-    """
+    """COCO's greedy matching of one image at every IoU threshold t: iou (n, m) detection x ground
+    truth (boxes or masks), conf (n,), pred_cls (n,), gt_cls (m,) -> tp (n, T) bool. By descending
+    score (stable), each detection takes the free ground truth of its class with the highest IoU
+    >= t (ties: the later one, as COCOeval)."""
     n, m = iou.shape
     tp = np.zeros((n, len(IOU_THRESHOLDS)), dtype=bool)
     if n == 0 or m == 0:
@@ -54,11 +41,8 @@ def match_predictions(iou: np.ndarray, conf, pred_cls, gt_cls) -> np.ndarray:
 
 
 def image_record(index: int, conf, pred_cls, gt_cls, ious: dict) -> dict:
-    """What AP needs from one image, keyed by its dataset index (small, to gather across ranks).
-
-    conf (n,), pred_cls (n,), gt_cls (m,); ious {"box": (n, m), "mask": (n, m)}, any subset.
-    Returns {"index", "conf" (n,), "cls" (n,), "gt_cls" (m,), "tp": {kind: (n, T) bool}}.
-    """
+    """What AP needs from one image: conf (n,), pred_cls (n,), gt_cls (m,), ious {"box" and/or
+    "mask": (n, m)} -> {"index", "conf", "cls", "gt_cls", "tp": {kind: (n, T) bool}}."""
     conf = np.asarray(conf, dtype=np.float64).reshape(-1)
     pred_cls = np.asarray(pred_cls, dtype=np.int64).reshape(-1)
     gt_cls = np.asarray(gt_cls, dtype=np.int64).reshape(-1)
@@ -76,13 +60,9 @@ def merge_records(parts: list[list[dict]]) -> list[dict]:
 
 
 def ap_per_class(tp: np.ndarray, conf: np.ndarray, pred_cls: np.ndarray, gt_cls) -> dict:
-    """COCO AP per class from the detections of all images.
-
-    tp (N, T) bool, conf (N,), pred_cls (N,): the detections of all images in dataset-index order,
-    each image's by descending score; gt_cls (M,) every ground-truth class.
-    Returns for the K classes present in the ground truth, in class order: AP (K, T), and P (K,)
-    and R (K,) at the confidence that maximises the mean F1 over classes.
-    """
+    """COCO AP of all images' detections tp (N, T), conf (N,), pred_cls (N,) (dataset-index order)
+    against gt_cls (M,) -> for the K ground-truth classes in order: AP (K, T), and P (K,), R (K,)
+    at the confidence maximising the mean F1 over classes."""
     classes, n_gt = np.unique(np.asarray(gt_cls, np.int64), return_counts=True)
     k, t = len(classes), tp.shape[1]
     ap = np.zeros((k, t))
@@ -93,8 +73,8 @@ def ap_per_class(tp: np.ndarray, conf: np.ndarray, pred_cls: np.ndarray, gt_cls)
             continue  # AP 0, P 0, R 0
         order = sel[np.argsort(-conf[sel], kind="mergesort")]  # stable, as COCOeval
         tpc = np.cumsum(tp[order], 0).astype(np.float64)
-        fpc = np.cumsum(~tp[order], 0).astype(np.float64)
-        recall, precision = tpc / npos, tpc / (tpc + fpc + EPS)
+        n_seen = np.arange(1.0, len(order) + 1)[:, None]  # true + false positives so far
+        recall, precision = tpc / npos, tpc / (n_seen + EPS)
         envelope = np.maximum.accumulate(precision[::-1], 0)[::-1]
         for ti in range(t):
             idx = np.searchsorted(recall[:, ti], RECALL_POINTS, side="left")
@@ -121,18 +101,14 @@ def summarize(records: list[dict], kinds: tuple[str, ...] = ("box",)) -> dict:
     """Metrics of all images' records: {"metrics": {"P(B)", "R(B)", "mAP50(B)", "mAP50-95(B)"
     (and the same with (M) for masks)}, "fitness", "images", "instances", "per_class": [{"class",
     "images", "instances", and its metrics}]} for the classes present in the ground truth."""
-
-    def cat(key: str, dtype) -> np.ndarray:
-        return np.concatenate([r[key] for r in records]) if records else np.zeros(0, dtype)
-
-    conf, pred_cls, gt_cls = cat("conf", np.float64), cat("cls", np.int64), cat("gt_cls", np.int64)
+    conf = np.concatenate([np.zeros(0)] + [r["conf"] for r in records])
+    pred_cls = np.concatenate([np.zeros(0, np.int64)] + [r["cls"] for r in records])
+    gt_cls = np.concatenate([np.zeros(0, np.int64)] + [r["gt_cls"] for r in records])
     classes, n_gt = np.unique(gt_cls, return_counts=True)
     present = np.concatenate([np.unique(r["gt_cls"]) for r in records] + [classes[:0]])
-    images_with = np.bincount(present, minlength=int(classes.max(initial=-1)) + 1)
-    rows = [
-        {"class": int(c), "images": int(images_with[c]), "instances": int(n)}
-        for c, n in zip(classes, n_gt)
-    ]
+    n_images = np.unique(present, return_counts=True)[1]  # images showing each class
+    counts = zip(classes.tolist(), n_images.tolist(), n_gt.tolist())
+    rows = [{"class": c, "images": i, "instances": n} for c, i, n in counts]
     metrics = {}
     for kind in kinds:
         tp = np.concatenate([r["tp"][kind] for r in records] + [np.zeros((0, 10), bool)])
@@ -143,14 +119,8 @@ def summarize(records: list[dict], kinds: tuple[str, ...] = ("box",)) -> dict:
             metrics[key] = float(values.mean()) if len(classes) else 0.0
             for row, v in zip(rows, values):
                 row[key] = float(v.mean())
-    images, instances = len(records), len(gt_cls)
-    out = {
-        "metrics": metrics,
-        "fitness": fitness(metrics),
-        "images": images,
-        "instances": instances,
-    }
-    return out | {"per_class": rows}
+    out = {"metrics": metrics, "fitness": fitness(metrics), "images": len(records)}
+    return out | {"instances": len(gt_cls), "per_class": rows}
 
 
 def class_records(indices, scores, labels, losses) -> list[dict]:

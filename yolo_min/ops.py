@@ -1,10 +1,6 @@
-"""Box and mask helpers shared by the data pipeline, validation, prediction and plotting.
-
-Holds box format conversion, IoU, NMS (yolov5 semantics, torchvision batched NMS, no time limit),
-mapping boxes and masks from the letterboxed network input back to the original image, mask
-assembly from prototypes, polygon rasterisation and COCO RLE encoding (no pycocotools).
-Does not hold matching or AP (metrics.py). Coordinates are pixels; `ratio_pad` is the dataset's
-((ratio_h, ratio_w), (pad_w, pad_h)) letterbox record, `*_hw` are (height, width).
+"""Box and mask helpers: formats, IoU, yolov5's NMS, letterboxed input -> original image, masks
+from prototypes, COCO-exact polygon rasterisation and RLE, contour tracing. Coordinates are pixels;
+`ratio_pad` is a letterbox's ((ratio_h, ratio_w), (pad_w, pad_h)), `*_hw` are (height, width).
 """
 
 from __future__ import annotations
@@ -32,30 +28,16 @@ def box_corners(xyxy: np.ndarray) -> np.ndarray:
     return xyxy[..., [0, 1, 2, 1, 2, 3, 0, 3]].reshape(*xyxy.shape[:-1], 4, 2)
 
 
-def box_iou(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """IoU of xyxy boxes a (n, 4) and b (m, 4) -> (n, m) (COCO's formula, no +1)."""
-    return torchvision.ops.box_iou(a, b)
+box_iou = torchvision.ops.box_iou  # xyxy (n, 4), (m, 4) -> (n, m) IoU, COCO's formula (no +1)
 
 
 def non_max_suppression(
-    pred: torch.Tensor,
-    conf_thres: float = 0.25,
-    iou_thres: float = 0.45,
-    multi_label: bool = False,
-    max_det: int = 300,
-    nm: int = 0,
-    max_nms: int = 30000,
-    classes: list[int] | None = None,
-    agnostic: bool = False,
+    pred, conf_thres, iou_thres, multi_label=False, max_det=300, nm=0, classes=None, agnostic=False
 ) -> list[torch.Tensor]:
-    """Per-class NMS of decoded head output.
-
-    pred (bs, N, 5+nc+nm): [cx, cy, w, h (input pixels), obj, cls probs..., mask coefs...].
-    Score = obj * cls; multi_label keeps every (box, class) pair above conf_thres, else the best.
-    classes: keep only these; agnostic: boxes of different classes suppress each other too.
-    The `max_nms` highest scores enter NMS; the `max_det` best survivors are kept.
-    Returns per image (n, 6+nm) [x1, y1, x2, y2, conf, cls, coefs...] sorted by conf (descending).
-    """
+    """yolov5's NMS of decoded head output pred (bs, N, 5+nc+nm) [cx, cy, w, h (input pixels),
+    obj, class probs, mask coefs] -> per image (n, 6+nm) [x1, y1, x2, y2, conf, cls, coefs] by
+    descending conf. conf = obj * class prob; multi_label: every (box, class) above conf_thres,
+    else its best class; classes: only these; agnostic: one NMS across classes."""
     nc = pred.shape[2] - 5 - nm
     out = []
     for x in pred:
@@ -63,16 +45,15 @@ def non_max_suppression(
         scores = x[:, 5 : 5 + nc] * x[:, 4:5]
         if multi_label:
             i, j = (scores > conf_thres).nonzero().T
-            conf = scores[i, j]
         else:
-            conf, j = scores.max(1)
-            i = (conf > conf_thres).nonzero().squeeze(1)
-            conf, j = conf[i], j[i]
+            i, j = torch.arange(len(x), device=x.device), scores.argmax(1)
+        conf = scores[i, j]
+        keep = conf > conf_thres
         if classes is not None:
-            keep = torch.isin(j, torch.tensor(classes, device=j.device))
-            i, j, conf = i[keep], j[keep], conf[keep]
+            keep &= torch.isin(j, torch.tensor(classes, device=j.device))
+        i, j, conf = i[keep], j[keep], conf[keep]
         det = torch.cat((xywh2xyxy(x[i, :4]), conf[:, None], j[:, None].float(), x[i, 5 + nc :]), 1)
-        det = det[conf.argsort(descending=True)[:max_nms]]
+        det = det[conf.argsort(descending=True)[:30000]]  # yolov5's max_nms
         groups = torch.zeros_like(det[:, 5]) if agnostic else det[:, 5]
         keep = torchvision.ops.batched_nms(det[:, :4], det[:, 4], groups, iou_thres)
         out.append(det[keep[:max_det]])
@@ -88,56 +69,37 @@ def scale_boxes(boxes: torch.Tensor, ratio_pad, orig_hw: tuple[int, int]) -> tor
     return b
 
 
-def process_mask(
-    protos: torch.Tensor, coefs: torch.Tensor, boxes: torch.Tensor, input_hw: tuple[int, int]
-) -> torch.Tensor:
-    """Instance masks at the network input size, as yolov5's process_mask(upsample=True).
-
-    protos (nm, h, w), coefs (n, nm), boxes (n, 4) xyxy input pixels -> (n, H, W) bool:
-    sigmoid(coefs @ protos), zero outside the box (at prototype resolution), bilinear upsampling
-    to input_hw, > 0.5. A mask reaches at most one prototype pixel beyond its box.
-    """
+def process_mask(protos, coefs, boxes, input_hw: tuple[int, int]) -> torch.Tensor:
+    """yolov5's process_mask(upsample=True): protos (nm, h, w), coefs (n, nm), boxes (n, 4) xyxy
+    input pixels -> (n, H, W) bool masks on the input: sigmoid(coefs @ protos) zeroed outside the
+    box at prototype resolution (so a mask reaches at most one prototype pixel beyond its box),
+    bilinear upsampling, > 0.5."""
     nm, h, w = protos.shape
-    if len(coefs) == 0:
-        return torch.zeros((0, *input_hw), dtype=torch.bool, device=protos.device)
-    m = (coefs.float() @ protos.float().view(nm, -1)).sigmoid().view(-1, h, w)
+    m = (coefs.float() @ protos.float().view(nm, -1)).sigmoid().view(-1, 1, h, w)
     scale = boxes.new_tensor([w / input_hw[1], h / input_hw[0]] * 2)
-    x1, y1, x2, y2 = (boxes[:, :4] * scale)[:, :, None].unbind(1)  # (n, 1) each, prototype pixels
-    rows = torch.arange(h, device=m.device, dtype=boxes.dtype)
+    x1, y1, x2, y2 = (boxes[:, :4] * scale)[:, :, None, None, None].unbind(1)  # prototype pixels
+    rows = torch.arange(h, device=m.device, dtype=boxes.dtype)[:, None]
     cols = torch.arange(w, device=m.device, dtype=boxes.dtype)
-    in_rows, in_cols = (rows >= y1) & (rows < y2), (cols >= x1) & (cols < x2)  # (n, h), (n, w)
-    m = m * (in_rows[:, :, None] & in_cols[:, None, :])
-    return F.interpolate(m[None], size=input_hw, mode="bilinear", align_corners=False)[0] > 0.5
+    m = m * ((rows >= y1) & (rows < y2) & (cols >= x1) & (cols < x2))
+    return F.interpolate(m, size=input_hw, mode="bilinear", align_corners=False)[:, 0] > 0.5
 
 
 def scale_masks(masks: torch.Tensor, ratio_pad, orig_hw: tuple[int, int]) -> torch.Tensor:
-    """(n, H, W) bool masks on the letterboxed input -> (n, h, w) bool on the original image.
-
-    The padding is cut and the rest resized (nearest) to orig_hw.
-    """
-    (rh, rw), (pw, ph) = ratio_pad
-    top, left = (
-        round(ph - 0.1),
-        round(pw - 0.1),
-    )  # the image starts here (yolov5 splits odd padding this way)
+    """(n, H, W) bool masks on the letterboxed input -> (n, h, w) bool on the original image: the
+    padding cut, the rest resized (nearest)."""
+    (rh, rw), (pw, ph), orig_hw = *ratio_pad, tuple(orig_hw)
+    top, left = round(ph - 0.1), round(pw - 0.1)  # where the image starts, as yolov5 splits padding
     m = masks[:, top : top + round(orig_hw[0] * rh), left : left + round(orig_hw[1] * rw)]
-    if m.shape[0] == 0:
-        return masks.new_zeros((0, *orig_hw))
-    if tuple(m.shape[1:]) != tuple(orig_hw):
-        m = F.interpolate(m[None].to(torch.uint8), size=tuple(orig_hw), mode="nearest-exact")[
-            0
-        ].bool()
+    if m.shape[1:] != orig_hw:
+        m = F.interpolate(m[:, None].byte(), size=orig_hw, mode="nearest-exact")[:, 0].bool()
     return m
 
 
 def polygons_to_masks(polygons: list, hw: tuple[int, int]) -> torch.Tensor:
-    """Rasterise polygons (each (k, 2) [x, y] pixels) into (m, h, w) bool masks, exactly as COCO.
-
-    pycocotools' polygon rasteriser, reimplemented: vertices snapped to 1/5 pixel, each edge walked
-    in 1/5-pixel steps along its longer axis, and at every column centre the edge toggles the
-    pixels from the first row whose centre lies below it. PIL's ImageDraw would differ on ~1% of
-    the pixels (it rounds vertices to whole pixels and fills the outline).
-    """
+    """Polygons (each (k, 2) [x, y] pixels) -> (m, h, w) bool masks, exactly as pycocotools:
+    vertices snapped to 1/5 pixel, each edge walked in 1/5-pixel steps along its longer axis,
+    toggling at every column centre the pixels from the first row whose centre lies below it.
+    (PIL's ImageDraw differs on ~1% of pixels: it rounds vertices and fills the outline.)"""
     h, w = hw
     out = np.zeros((len(polygons), h, w), dtype=bool)
     for i, poly in enumerate(polygons):
@@ -146,15 +108,9 @@ def polygons_to_masks(polygons: list, hw: tuple[int, int]) -> torch.Tensor:
             continue
         xs, ys, xe, ye = p[:, 0], p[:, 1], np.roll(p[:, 0], -1), np.roll(p[:, 1], -1)
         along_x = np.abs(xe - xs) >= np.abs(ye - ys)
-        flip = np.where(
-            along_x, xs > xe, ys > ye
-        )  # round from the lower end, walk in the edge's direction
-        x0, y0, x1, y1 = (
-            np.where(flip, xe, xs),
-            np.where(flip, ye, ys),
-            np.where(flip, xs, xe),
-            np.where(flip, ys, ye),
-        )
+        flip = np.where(along_x, xs > xe, ys > ye)  # round from the lower end, walk the edge's way
+        x0, x1 = np.where(flip, (xe, xs), (xs, xe))
+        y0, y1 = np.where(flip, (ye, ys), (ys, ye))
         n = np.maximum(np.abs(xe - xs), np.abs(ye - ys))
         slope = np.where(along_x, y1 - y0, x1 - x0) / np.maximum(n, 1)
         e = np.repeat(np.arange(len(p)), n + 1)  # edge of each walked point
@@ -169,9 +125,8 @@ def polygons_to_masks(polygons: list, hw: tuple[int, int]) -> torch.Tensor:
         if keep.any():  # toggles in column-major order, parity fills; columns lo..hi only
             col, row = col[keep].astype(np.int64), row[keep].astype(np.int64)
             lo, hi = col.min(), col.max() + 1
-            toggles = np.bincount((col - lo) * h + row, minlength=(hi - lo) * h + 1)[
-                : (hi - lo) * h
-            ]
+            size = (hi - lo) * h
+            toggles = np.bincount((col - lo) * h + row, minlength=size + 1)[:size]
             out[i, :, lo:hi] = (np.cumsum(toggles) % 2 == 1).reshape(hi - lo, h).T
     return torch.from_numpy(out)
 
@@ -181,9 +136,9 @@ NEIGHBOURS = ((0, 1), (1, 1), (1, 0), (1, -1), (0, -1), (-1, -1), (-1, 0), (-1, 
 
 
 def trace_border(m: np.ndarray, start: int) -> tuple[np.ndarray, np.ndarray]:
-    """Moore-neighbour tracing of the outer border of the 8-connected component whose first pixel
-    in raster order is `start` (a flat index) in a bool (h, w) mask with a background frame ->
-    (border pixels (k, 2) [x, y] clockwise, the direction index of the step leaving each)."""
+    """Moore-neighbour tracing of the outer border of the 8-connected component whose first pixel in
+    raster order is flat index `start` of a bool (h, w) mask framed by background -> border pixels
+    (k, 2) [x, y] clockwise, and the NEIGHBOURS index of the step leaving each."""
     flat, w = m.ravel(), m.shape[1]
     steps = [dy * w + dx for dy, dx in NEIGHBOURS]
     p, d, points, dirs = start, 4, [], []  # the search starts at the west, known background
@@ -199,10 +154,9 @@ def trace_border(m: np.ndarray, start: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def mask_to_polygon(mask: torch.Tensor | np.ndarray) -> np.ndarray:
-    """The largest outer border of a bool (h, w) mask -> (k, 2) float32 [x, y] pixel indices of its
-    corner pixels, (0, 2) for an empty mask. As yolov5 writes OpenCV's findContours (RETR_EXTERNAL,
-    CHAIN_APPROX_SIMPLE): straight runs keep their ends, components in another's holes are not
-    outer borders, and the largest is the one with the most corners."""
+    """A bool (h, w) mask's largest outer border -> its corner pixels (k, 2) float32 [x, y], (0, 2)
+    if empty: OpenCV's findContours (RETR_EXTERNAL, CHAIN_APPROX_SIMPLE) as yolov5 uses it, the
+    border with the most corners; components inside another's holes are not outer borders."""
     m = np.pad(np.asarray(mask.cpu() if isinstance(mask, torch.Tensor) else mask, dtype=bool), 1)
     best = np.zeros((0, 2), np.float32)
     while m.any():
@@ -228,17 +182,13 @@ def rle_encode(mask: torch.Tensor | np.ndarray) -> dict:
     """COCO's compressed RLE of one (h, w) bool mask: {"size": [h, w], "counts": str}."""
     m = np.asarray(mask.cpu() if isinstance(mask, torch.Tensor) else mask, dtype=bool)
     flat = m.T.reshape(-1)
-    edges = np.flatnonzero(flat[1:] != flat[:-1]) + 1
-    counts = np.diff(np.concatenate(([0], edges, [flat.size]))).tolist()
-    if flat.size and flat[0]:
-        counts = [0] + counts  # runs always start with zeros
+    starts = np.flatnonzero(np.diff(flat, prepend=False))  # of runs, the first one of zeros
+    counts = np.diff(np.concatenate(([0], starts, [flat.size]))).tolist()
     chars = []
     for i, x in enumerate(counts):
-        x = x - counts[i - 2] if i > 2 else x  # delta against the run of the same value
-        while True:  # 5 bits per char, bit 0x20 = more follow, offset 48
+        x, more = x - counts[i - 2] if i > 2 else x, True  # delta against the last same-value run
+        while more:  # 5 bits per char, bit 0x20 = more follow, offset 48
             c, x = x & 0x1F, x >> 5
             more = x != -1 if c & 0x10 else x != 0
-            chars.append(chr(c + (0x20 if more else 0) + 48))
-            if not more:
-                break
+            chars.append(chr(c + 0x20 * more + 48))
     return {"size": [int(m.shape[0]), int(m.shape[1])], "counts": "".join(chars)}
