@@ -1,17 +1,11 @@
-"""Run a yolo_min or yolov5 checkpoint on images: boxes (and masks), or a classifier's top 5, drawn
-and written as yolov5's detect.py, segment/predict.py and classify/predict.py do.
-
-    python predict.py --weights best.pt --source images/ --save-txt
-    torchrun --nproc_per_node 2 predict.py --weights best.pt --source 'photos/*.jpg'  # files shared
-
-From Python: `predict(model, images)` returns per image its results, `draw(result)` pictures one,
-`run(weights=..., source=...)` is the command line. Writes to runs/predict/exp, exp2, ...
+"""Predict boxes (and masks), or a classifier's top 5, as yolov5's detect.py and predict.py do:
+`python predict.py --weights best.pt --source images/` (torchrun shares the files) or `run(...)`;
+`predict(model, images)` returns the results, `draw(result)` pictures one. Writes runs/predict/exp.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import glob
 import json
 import time
@@ -35,8 +29,7 @@ PREDICT_NMS = dict(conf_thres=0.25, iou_thres=0.45, max_det=1000)  # yolov5's de
 
 
 def find_images(source: str) -> list[str]:
-    """The images of an image file, a folder (sorted, not recursive), a glob, or a .txt file of
-    paths (one a line, relative to the working directory)."""
+    """The images of a file, folder (sorted, not recursive), glob or .txt list of paths."""
     path = Path(source)
     if path.suffix == ".txt" and path.is_file():
         files = [line.strip() for line in path.read_text().splitlines() if line.strip()]
@@ -52,9 +45,8 @@ def find_images(source: str) -> list[str]:
 
 
 def letterbox(image: torch.Tensor, imgsz: int, stride: int) -> tuple[torch.Tensor, tuple]:
-    """uint8 (h, w, 3) -> (uint8 (3, H, W) input, ratio_pad) as yolov5's inference: long side
-    resized to imgsz in whole pixels (bilinear, no antialiasing: OpenCV's INTER_LINEAR), centred
-    on the smallest stride-multiple canvas of 114 grey."""
+    """uint8 (h, w, 3) -> (uint8 (3, H, W), ratio_pad) as yolov5: long side to imgsz (OpenCV's
+    INTER_LINEAR: bilinear, no antialiasing), centred on a stride-multiple canvas of 114 grey."""
     (h0, w0), x = image.shape[:2], image.permute(2, 0, 1)
     r = imgsz / max(h0, w0)
     h, w = round(h0 * r), round(w0 * r)
@@ -67,10 +59,8 @@ def letterbox(image: torch.Tensor, imgsz: int, stride: int) -> tuple[torch.Tenso
 
 
 class Images(Dataset):
-    """Images (paths, PIL images or uint8 (h, w, 3) RGB arrays) as samples {"index", "path" (None
-    in memory), "image" uint8 (h, w, 3) RGB (EXIF orientation applied), "input" uint8 (3, H, W)
-    letterboxed (classify: the centre square, resized), "ratio_pad"}, or {"index", "path",
-    "error"} for an unreadable one."""
+    """Paths, PIL images or uint8 (h, w, 3) RGB arrays -> {"index", "path", "image" (EXIF-rotated),
+    "input" (letterboxed; classify: centre square), "ratio_pad"} or {"index", "path", "error"}."""
 
     def __init__(self, images: list, imgsz: int, stride: int, classify: bool = False):
         self.images, self.imgsz, self.stride, self.classify = images, imgsz, stride, classify
@@ -98,8 +88,7 @@ class Images(Dataset):
 
 
 def by_shape(samples, batch_size: int):
-    """Lists of up to batch_size samples of one input shape, each once full (the rest at the end);
-    an unreadable image's sample alone."""
+    """Lists of up to batch_size samples of one input shape, each once full; errors alone."""
     pending = {}
     for s in samples:
         shape = tuple(s["input"].shape) if "input" in s else None
@@ -112,13 +101,10 @@ def by_shape(samples, batch_size: int):
 
 @torch.no_grad()
 def stream(model, images, imgsz=640, batch_size=1, workers=0, polygons=False, amp=None, **nms):
-    """Predict images (see Images) with an eval-mode Model, batched by input shape (so out of
-    order), decoded by `workers` processes, the forward under autocast to amp (models.amp_dtype) or
-    float32 (None); nms: non_max_suppression's options over PREDICT_NMS. Yields per image {"index",
-    "path", "image", "names", "speed" (ms by STAGES)} and "boxes" (n, 6) [x1, y1, x2, y2, conf,
-    cls] (whole original pixels) by descending conf and "masks" (n, h, w) bool or None (with
-    polygons: "polygons", each mask's largest outer polygon (k, 2) [x, y]), or a classifier's
-    "probs" (nc,); or an unreadable image's {"index", "path", "error"}."""
+    """Yield an eval-mode Model's results on images (see Images), batched by shape (out of order):
+    {"index", "path", "image", "names", "speed" (ms by STAGES)} with "probs" (nc,), or "boxes"
+    (n, 6) xyxy original pixels, conf, cls by descending conf, "masks" (n, h, w) or None (and with
+    polygons each mask's outer polygon (k, 2) [x, y]). amp: autocast dtype or None (float32)."""
     device, stride = next(model.parameters()).device, int(model.stride.max())
     nm, classify = model.head.nm if model.task == "segment" else 0, model.task == "classify"
     data = Images(images, make_divisible(imgsz, stride), stride, classify)
@@ -145,8 +131,7 @@ def stream(model, images, imgsz=640, batch_size=1, workers=0, polygons=False, am
 
 
 def to_original(det, protos, sample: dict, input_hw, polygons: bool) -> dict:
-    """An image's detections (n, 6+nm) on the input and prototypes (nm, H/4, W/4) or None ->
-    {"boxes", "masks"(, "polygons")} on the original image (see stream)."""
+    """Detections (n, 6+nm) on the input, prototypes or None -> stream's boxes, masks, polygons."""
     (h, w), ratio_pad = sample["image"].shape[:2], sample["ratio_pad"]
     boxes = ops.scale_boxes(det[:, :4], ratio_pad, (h, w)).round()  # whole pixels, as yolov5
     out = dict(boxes=torch.cat((boxes, det[:, 4:6]), 1).cpu(), masks=None)
@@ -172,8 +157,7 @@ def top5(result: dict) -> list[tuple[int, float]]:
 
 
 def draw(result: dict, line_width=None, labels=True, conf=True) -> Image.Image:
-    """A result pictured as yolov5 does: masks blended in, boxes labelled "name conf" (classify:
-    the top-5 "name probability" lines in the corner)."""
+    """A result pictured as yolov5 does: masks, boxes labelled "name conf", or the top 5 classes."""
     if "probs" in result:
         picture = Image.fromarray(result["image"].numpy())
         text = "\n".join(f"{result['names'][c]} {p:.2f}" for c, p in top5(result))
@@ -188,9 +172,8 @@ def draw(result: dict, line_width=None, labels=True, conf=True) -> Image.Image:
 
 
 def label_lines(result: dict, conf: bool) -> str:
-    """yolov5's --save-txt lines, lowest confidence first: detect `cls xc yc w h [conf]`, segment
-    `cls x1 y1 x2 y2 ... [conf]` (the mask's largest outer polygon), normalised to the image;
-    classify `prob name`, the top 5."""
+    """yolov5's --save-txt lines, lowest conf first, normalised: `cls xc yc w h [conf]`, segment
+    `cls x1 y1 x2 y2 ... [conf]` (the mask's outer polygon); classify `prob name` (the top 5)."""
     if "probs" in result:
         return "".join(f"{p:.2f} {result['names'][c]}\n" for c, p in top5(result))
     h, w = result["image"].shape[:2]
@@ -206,11 +189,9 @@ def label_lines(result: dict, conf: bool) -> str:
 
 
 def json_entry(result: dict) -> dict:
-    """An image for --save-json: file, size, and per detection class id and name, confidence, box
-    xyxy (original pixels) and, for segment, the mask as COCO RLE (classify: the top 5 classes)."""
-    entry = dict(
-        file=result["path"], width=result["image"].shape[1], height=result["image"].shape[0]
-    )
+    """--save-json's entry: file, size, detections (box xyxy, mask as COCO RLE) or top 5 classes."""
+    h, w = result["image"].shape[:2]
+    entry = dict(file=result["path"], width=w, height=h)
     if "probs" in result:
         top = [dict(class_id=c, name=result["names"][c], confidence=p) for c, p in top5(result)]
         return entry | dict(classes=top)
@@ -236,15 +217,14 @@ def save(result: dict, save_dir: Path, args) -> None:
         Image.fromarray(result["image"].numpy()).crop(box).save(crop)
 
 
-def progress(results, n: int, show: bool, every_s: float = 10.0):
-    """Yield the n results; when show, print images/s and the ETA every every_s seconds."""
+def progress(results, n: int, show: bool):
+    """Yield the n results; when show, print images/s and the ETA every 10 seconds."""
     t0 = last = time.time()
     for i, r in enumerate(results, 1):
         yield r
-        if show and time.time() - last > every_s and i < n:
+        if show and time.time() - last > 10 and i < n:
             last, rate = time.time(), i / (time.time() - t0)
-            eta = datetime.timedelta(seconds=round((n - i) / rate))
-            print(f"{i}/{n} images  {rate:.1f} images/s  eta {eta}", flush=True)
+            print(f"{i}/{n} images  {rate:.1f} images/s  eta {(n - i) / rate:.0f}s", flush=True)
 
 
 def get_args_parser() -> argparse.ArgumentParser:
@@ -276,8 +256,8 @@ def get_args_parser() -> argparse.ArgumentParser:
 
 
 def main(args: argparse.Namespace) -> dict:
-    """Predict --source; under torchrun rank r takes images r, r + world_size, ... and rank 0
-    reports. Returns {"save_dir", "images", "skipped", "detections", "speed"}."""
+    """Predict --source (rank r takes images r, r + world_size, ...) -> {"save_dir", "images",
+    "skipped", "detections", "speed"}."""
     info = dist.setup(args.device)
     try:
         amp = amp_dtype(info.device, args.amp)

@@ -1,10 +1,6 @@
-"""Validate a yolo_min or yolov5 checkpoint: COCO-exact box (and mask) mAP, or top-1/5 accuracy.
-
-    python val.py --weights best.pt --data coco128.yaml --imgsz 640
-    torchrun --nproc_per_node 2 val.py --weights best.pt --data coco128-seg.yaml   # sharded
-
-`evaluate` is also train.py's validation. Writes metrics.json (and with --save-json
-predictions.json, COCO's results format) to runs/val/exp, exp2, ...
+"""Validate a checkpoint: COCO-exact box (and mask) mAP, or top-1/5 accuracy. `python val.py
+--weights best.pt --data coco128.yaml` (torchrun shards it) writes runs/val/exp/metrics.json (and
+predictions.json, COCO's results format); `evaluate` is also train.py's validation.
 """
 
 from __future__ import annotations
@@ -36,18 +32,15 @@ STAGES = ("preprocess", "inference", "nms")  # the "speed" of evaluate and predi
 
 
 def preprocess(images: torch.Tensor, device: torch.device, normalize=False) -> torch.Tensor:
-    """uint8 (bs, 3, H, W) -> the network's input on the device: float in [0, 1], for a classifier
-    (normalize) standardised with ImageNet's mean and std."""
+    """uint8 (bs, 3, H, W) -> float in [0, 1] on the device (normalize: ImageNet-standardised)."""
     x = images.to(device, non_blocking=True).float() / 255
     return TF.normalize(x, datasets.IMAGENET_MEAN, datasets.IMAGENET_STD) if normalize else x
 
 
 def score_image(dataset, index: int, det, shape, input_hw, protos=None, cat_ids=None) -> dict:
-    """Image index's metrics.image_record: det (n, 6+nm) [x1, y1, x2, y2 (input pixels), conf,
-    cls, coefs] against dataset.ground_truth(index) (original pixels); shape (orig_hw, ratio_pad);
-    protos (nm, H/4, W/4) for masks, made at the original size only for detections near a
-    ground-truth box of their class (others cannot overlap) unless cat_ids (a category id per
-    class) asks for COCO's results format: then record["json"] holds them, with RLE masks."""
+    """metrics.image_record of det (n, 6+nm) [xyxy input pixels, conf, cls, coefs] against the
+    ground truth; shape (orig_hw, ratio_pad); protos (nm, H/4, W/4) for masks. cat_ids (a COCO
+    category id per class) adds the detections in COCO's results format as record["json"]."""
     gt, (orig_hw, ratio_pad) = dataset.ground_truth(index), shape
     boxes = ops.scale_boxes(det[:, :4], ratio_pad, orig_hw)
     gt_boxes = gt["boxes"].to(det.device, torch.float64)
@@ -84,12 +77,9 @@ def score_image(dataset, index: int, det, shape, input_hw, protos=None, cat_ids=
 def evaluate(
     model, loader, dataset, nms=VAL_NMS, plots_dir=None, save_json=None, coco_ids=False, amp=None
 ) -> dict:
-    """Score model on this rank's shard of loader (collated batches; dataset.ground_truth gives the
-    labels); call it on every rank, all return metrics.summarize's (or summarize_classes') dict and
-    "speed" (this rank's ms per image by STAGES). nms: non_max_suppression's options; plots_dir:
-    where rank 0 draws 3 batches; save_json: a path for COCO's results format (category ids cls + 1,
-    or the COCO-91 ids with coco_ids); amp: the forward's autocast dtype (models.amp_dtype) or None
-    (float32)."""
+    """metrics.summarize(_classes)'s dict and "speed" (ms by STAGES) of this rank's shard; call it
+    on every rank. plots_dir: rank 0 draws 3 batches there; save_json: a path for COCO's results
+    (ids cls + 1, or COCO-91 with coco_ids); amp: autocast dtype (models.amp_dtype) or None."""
     model = de_parallel(model)
     was_training = model.training
     model.eval()
@@ -200,8 +190,8 @@ def main(args: argparse.Namespace) -> dict:
         amp = amp_dtype(info.device, args.amp)
         layout = torch.channels_last if amp else None  # faster under autocast (CPU and CUDA)
         model = load_model(args.weights, info.device).to(memory_format=layout)
-        lws = info.local_world_size
         imgsz = make_divisible(args.imgsz, int(model.stride.max()))
+        local = dict(local_world_size=info.local_world_size)
         with dist.main_first():  # local rank 0 verifies the labels and writes their cache first
             data = datasets.load_data_config(args.data)
             datasets.check_task(data, model.task)
@@ -214,14 +204,12 @@ def main(args: argparse.Namespace) -> dict:
             else:
                 kw = dict(task=model.task, stride=int(model.stride.max()), nc=data["nc"])
                 kw |= dict(rect=True, batch_size=args.batch_size, verbose=info.is_main)
-                dataset = datasets.YOLODataset(data["val"], imgsz, **kw, local_world_size=lws)
+                dataset = datasets.YOLODataset(data["val"], imgsz, **kw, **local)
             if model.task == "segment":
                 dataset.check_polygons()
         model.names = data["names"]
-        ranks = dict(rank=info.rank, world_size=info.world_size, local_world_size=lws)
-        loader, _ = datasets.build_dataloader(
-            dataset, args.batch_size, args.workers, False, **ranks
-        )
+        kw = dict(workers=args.workers, shuffle=False, rank=info.rank, world_size=info.world_size)
+        loader, _ = datasets.build_dataloader(dataset, args.batch_size, **kw, **local)
         save_dir = dist.run_on_main(next_run_dir, args.project, args.name, args.exist_ok)
         save_dir.mkdir(parents=True, exist_ok=True)
         nms = dict(conf_thres=args.conf_thres, iou_thres=args.iou_thres, max_det=args.max_det)
@@ -240,8 +228,7 @@ def main(args: argparse.Namespace) -> dict:
 
 
 def parse_kwargs(parser: argparse.ArgumentParser, kwargs: dict) -> argparse.Namespace:
-    """A `run(**kwargs)` call's arguments: the parser's defaults, replaced by kwargs (batch_size for
-    --batch-size); TypeError for unknown or missing ones."""
+    """run(**kwargs)'s arguments: the parser's defaults updated by kwargs; TypeError if unknown."""
     actions = [a for a in parser._actions if a.dest != "help"]
     if unknown := sorted(set(kwargs) - {a.dest for a in actions}):
         raise TypeError(f"unknown option(s) {unknown}: see {parser.prog} --help")
@@ -256,8 +243,7 @@ def run(**kwargs) -> dict:
 
 
 def cli(main, parser: argparse.ArgumentParser) -> None:
-    """main(the command line's arguments); a bad argument, weights or input file (ValueError,
-    OSError): one line, said by rank 0, and exit 2."""
+    """main(the command line); a bad argument, weights or file (ValueError, OSError): exit 2."""
     try:
         main(parser.parse_args())
     except (ValueError, OSError) as e:

@@ -1,7 +1,5 @@
-"""Box and mask AP exactly as pycocotools' COCOeval (areaRng "all", maxDets >= the detections per
-image, no crowds; score ties broken by dataset index, then order in the image), and top-k accuracy.
-Each image gives a small record keyed by dataset index; the entry scripts gather every rank's and
-`merge_records` de-duplicates them before `summarize` / `summarize_classes`.
+"""Box and mask AP exactly as COCOeval (areaRng "all", maxDets >= detections, no crowds; score ties
+by dataset index, then order), and top-k accuracy, from small per-image records keyed by index.
 """
 
 from __future__ import annotations
@@ -17,10 +15,9 @@ KINDS = {"detect": ("box",), "segment": ("box", "mask"), "classify": ("class",)}
 
 
 def match_predictions(iou: np.ndarray, conf, pred_cls, gt_cls) -> np.ndarray:
-    """COCO's greedy matching of one image at every IoU threshold t: iou (n, m) detection x ground
-    truth (boxes or masks), conf (n,), pred_cls (n,), gt_cls (m,) -> tp (n, T) bool. By descending
-    score (stable), each detection takes the free ground truth of its class with the highest IoU
-    >= t (ties: the later one, as COCOeval)."""
+    """COCO's greedy matching of one image: iou (n, m), conf (n,), pred_cls (n,), gt_cls (m,) ->
+    tp (n, T) bool. By descending score each detection takes the free ground truth of its class
+    with the highest IoU >= t (ties: the later one, as COCOeval)."""
     n, m = iou.shape
     tp = np.zeros((n, len(IOU_THRESHOLDS)), dtype=bool)
     if n == 0 or m == 0:
@@ -60,9 +57,8 @@ def merge_records(parts: list[list[dict]]) -> list[dict]:
 
 
 def ap_per_class(tp: np.ndarray, conf: np.ndarray, pred_cls: np.ndarray, gt_cls) -> dict:
-    """COCO AP of all images' detections tp (N, T), conf (N,), pred_cls (N,) (dataset-index order)
-    against gt_cls (M,) -> for the K ground-truth classes in order: AP (K, T), and P (K,), R (K,)
-    at the confidence maximising the mean F1 over classes."""
+    """COCO AP of all detections tp (N, T), conf (N,), pred_cls (N,) (by dataset index) -> for the
+    K classes of gt_cls: AP (K, T), P (K,) and R (K,) at the confidence of max mean F1."""
     classes, n_gt = np.unique(np.asarray(gt_cls, np.int64), return_counts=True)
     k, t = len(classes), tp.shape[1]
     ap = np.zeros((k, t))
@@ -98,9 +94,8 @@ def metric_names(kinds: tuple[str, ...]) -> list[str]:
 
 
 def summarize(records: list[dict], kinds: tuple[str, ...] = ("box",)) -> dict:
-    """Metrics of all images' records: {"metrics": {"P(B)", "R(B)", "mAP50(B)", "mAP50-95(B)"
-    (and the same with (M) for masks)}, "fitness", "images", "instances", "per_class": [{"class",
-    "images", "instances", and its metrics}]} for the classes present in the ground truth."""
+    """{"metrics": {"P(B)", "R(B)", "mAP50(B)", "mAP50-95(B)" (and (M) for masks)}, "fitness",
+    "images", "instances", "per_class": [{"class", "images", "instances", metrics...}]}."""
     conf = np.concatenate([np.zeros(0)] + [r["conf"] for r in records])
     pred_cls = np.concatenate([np.zeros(0, np.int64)] + [r["cls"] for r in records])
     gt_cls = np.concatenate([np.zeros(0, np.int64)] + [r["gt_cls"] for r in records])
@@ -124,18 +119,16 @@ def summarize(records: list[dict], kinds: tuple[str, ...] = ("box",)) -> dict:
 
 
 def class_records(indices, scores, labels, losses) -> list[dict]:
-    """What top-k accuracy needs from a batch: per image {"index" (its dataset index), "label",
-    "top5" (the min(5, nc) best classes, best first), "loss"}. scores (bs, nc): float logits or
-    probabilities on the CPU; indices, labels, losses (bs,)."""
+    """A batch's indices, labels, losses (bs,) and scores (bs, nc) (CPU logits or probabilities)
+    -> per image {"index", "label", "top5" (the min(5, nc) best classes, best first), "loss"}."""
     top5 = np.argsort(-np.asarray(scores, np.float64), 1, kind="stable")[:, :5]
     keys = zip(indices, labels, top5, losses)
     return [{"index": int(i), "label": int(c), "top5": t, "loss": float(x)} for i, c, t, x in keys]
 
 
 def summarize_classes(records: list[dict]) -> dict:
-    """Top-1 and top-5 accuracy (1 when nc < 5, as yolov5's) of all images' class_records, in the
-    shape of summarize's: {"metrics": {"top1_acc", "top5_acc", "val_loss"}, "fitness" (top1_acc),
-    "images", "per_class": [{"class", "images", "top1_acc", "top5_acc"}]} (the labels' classes)."""
+    """summarize's dict of class_records: "metrics" {"top1_acc", "top5_acc" (1 if nc < 5, as
+    yolov5), "val_loss"}, "fitness" (top1_acc), "images", "per_class" (the accuracies by label)."""
     labels = np.array([r["label"] for r in records], np.int64)
     hits = np.array([[r["top5"][0] == r["label"], r["label"] in r["top5"]] for r in records])
 

@@ -34,10 +34,9 @@ box_iou = torchvision.ops.box_iou  # xyxy (n, 4), (m, 4) -> (n, m) IoU, COCO's f
 def non_max_suppression(
     pred, conf_thres, iou_thres, multi_label=False, max_det=300, nm=0, classes=None, agnostic=False
 ) -> list[torch.Tensor]:
-    """yolov5's NMS of decoded head output pred (bs, N, 5+nc+nm) [cx, cy, w, h (input pixels),
-    obj, class probs, mask coefs] -> per image (n, 6+nm) [x1, y1, x2, y2, conf, cls, coefs] by
-    descending conf. conf = obj * class prob; multi_label: every (box, class) above conf_thres,
-    else its best class; classes: only these; agnostic: one NMS across classes."""
+    """yolov5's NMS: pred (bs, N, 5+nc+nm) [cx, cy, w, h, obj, class probs, coefs] -> per image
+    (n, 6+nm) [x1, y1, x2, y2, conf = obj * prob, cls, coefs] by descending conf. multi_label: all
+    (box, class) pairs over conf_thres; classes: only these; agnostic: one NMS for all classes."""
     nc = pred.shape[2] - 5 - nm
     out = []
     for x in pred:
@@ -71,9 +70,7 @@ def scale_boxes(boxes: torch.Tensor, ratio_pad, orig_hw: tuple[int, int]) -> tor
 
 def process_mask(protos, coefs, boxes, input_hw: tuple[int, int]) -> torch.Tensor:
     """yolov5's process_mask(upsample=True): protos (nm, h, w), coefs (n, nm), boxes (n, 4) xyxy
-    input pixels -> (n, H, W) bool masks on the input: sigmoid(coefs @ protos) zeroed outside the
-    box at prototype resolution (so a mask reaches at most one prototype pixel beyond its box),
-    bilinear upsampling, > 0.5."""
+    input pixels -> (n, H, W) bool: sigmoid(coefs @ protos), cropped, upsampled, > 0.5."""
     nm, h, w = protos.shape
     m = (coefs.float() @ protos.float().view(nm, -1)).sigmoid().view(-1, 1, h, w)
     scale = boxes.new_tensor([w / input_hw[1], h / input_hw[0]] * 2)
@@ -85,8 +82,7 @@ def process_mask(protos, coefs, boxes, input_hw: tuple[int, int]) -> torch.Tenso
 
 
 def scale_masks(masks: torch.Tensor, ratio_pad, orig_hw: tuple[int, int]) -> torch.Tensor:
-    """(n, H, W) bool masks on the letterboxed input -> (n, h, w) bool on the original image: the
-    padding cut, the rest resized (nearest)."""
+    """(n, H, W) bool masks on the input -> (n, h, w) on the original: padding cut, nearest."""
     (rh, rw), (pw, ph), orig_hw = *ratio_pad, tuple(orig_hw)
     top, left = round(ph - 0.1), round(pw - 0.1)  # where the image starts, as yolov5 splits padding
     m = masks[:, top : top + round(orig_hw[0] * rh), left : left + round(orig_hw[1] * rw)]
@@ -96,10 +92,8 @@ def scale_masks(masks: torch.Tensor, ratio_pad, orig_hw: tuple[int, int]) -> tor
 
 
 def polygons_to_masks(polygons: list, hw: tuple[int, int]) -> torch.Tensor:
-    """Polygons (each (k, 2) [x, y] pixels) -> (m, h, w) bool masks, exactly as pycocotools:
-    vertices snapped to 1/5 pixel, each edge walked in 1/5-pixel steps along its longer axis,
-    toggling at every column centre the pixels from the first row whose centre lies below it.
-    (PIL's ImageDraw differs on ~1% of pixels: it rounds vertices and fills the outline.)"""
+    """Polygons (each (k, 2) [x, y] pixels) -> (m, h, w) bool masks exactly as pycocotools: edges
+    walked in 1/5-pixel steps toggle the pixels below them per column (PIL differs on ~1%)."""
     h, w = hw
     out = np.zeros((len(polygons), h, w), dtype=bool)
     for i, poly in enumerate(polygons):
@@ -136,9 +130,9 @@ NEIGHBOURS = ((0, 1), (1, 1), (1, 0), (1, -1), (0, -1), (-1, -1), (-1, 0), (-1, 
 
 
 def trace_border(m: np.ndarray, start: int) -> tuple[np.ndarray, np.ndarray]:
-    """Moore-neighbour tracing of the outer border of the 8-connected component whose first pixel in
-    raster order is flat index `start` of a bool (h, w) mask framed by background -> border pixels
-    (k, 2) [x, y] clockwise, and the NEIGHBOURS index of the step leaving each."""
+    """Moore-neighbour tracing of the outer border of the 8-connected component starting at flat
+    index `start` of a background-framed bool mask -> its pixels (k, 2) [x, y] clockwise and the
+    NEIGHBOURS index of the step leaving each."""
     flat, w = m.ravel(), m.shape[1]
     steps = [dy * w + dx for dy, dx in NEIGHBOURS]
     p, d, points, dirs = start, 4, [], []  # the search starts at the west, known background
@@ -154,9 +148,8 @@ def trace_border(m: np.ndarray, start: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def mask_to_polygon(mask: torch.Tensor | np.ndarray) -> np.ndarray:
-    """A bool (h, w) mask's largest outer border -> its corner pixels (k, 2) float32 [x, y], (0, 2)
-    if empty: OpenCV's findContours (RETR_EXTERNAL, CHAIN_APPROX_SIMPLE) as yolov5 uses it, the
-    border with the most corners; components inside another's holes are not outer borders."""
+    """A bool (h, w) mask's outer border with the most corners -> those (k, 2) float32 [x, y], as
+    yolov5 uses OpenCV's findContours (RETR_EXTERNAL, CHAIN_APPROX_SIMPLE); (0, 2) if empty."""
     m = np.pad(np.asarray(mask.cpu() if isinstance(mask, torch.Tensor) else mask, dtype=bool), 1)
     best = np.zeros((0, 2), np.float32)
     while m.any():
