@@ -83,7 +83,8 @@ def process_mask(protos, coefs, boxes, input_hw: tuple[int, int]) -> torch.Tenso
 
 def scale_masks(masks: torch.Tensor, ratio_pad, orig_hw: tuple[int, int]) -> torch.Tensor:
     """(n, H, W) bool masks on the input -> (n, h, w) on the original: padding cut, nearest."""
-    (rh, rw), (pw, ph), orig_hw = *ratio_pad, tuple(orig_hw)
+    (rh, rw), (pw, ph) = ratio_pad
+    orig_hw = tuple(orig_hw)
     top, left = round(ph - 0.1), round(pw - 0.1)  # where the image starts, as yolov5 splits padding
     m = masks[:, top : top + round(orig_hw[0] * rh), left : left + round(orig_hw[1] * rw)]
     if m.shape[1:] != orig_hw:
@@ -179,7 +180,8 @@ def rle_encode(mask: torch.Tensor | np.ndarray) -> dict:
     counts = np.diff(np.concatenate(([0], starts, [flat.size]))).tolist()
     chars = []
     for i, x in enumerate(counts):
-        x, more = x - counts[i - 2] if i > 2 else x, True  # delta against the last same-value run
+        x = x - counts[i - 2] if i > 2 else x  # delta against the last run of the same value
+        more = True
         while more:  # 5 bits per char, bit 0x20 = more follow, offset 48
             c, x = x & 0x1F, x >> 5
             more = x != -1 if c & 0x10 else x != 0
