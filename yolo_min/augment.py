@@ -1,9 +1,7 @@
-"""Image geometry and colour for the data pipeline (torch, PIL, numpy; no OpenCV).
-
-yolov5's random affine as a 3x3 matrix, `render` (one resampling per source image), `place_labels`
-(labels through the same geometry), HSV jitter and overlap masks. Coordinates are continuous pixels
-(pixel j covers [j, j+1)); boxes xyxy. Randomness: `random`, which the dataset seeds per sample.
-"""
+"""Image geometry and colour (torch, PIL, numpy; no OpenCV): yolov5's random affine, render (one
+resampling per source image), place_labels (labels through the same geometry), HSV jitter, overlap
+masks. Coordinates: continuous pixels (pixel j covers [j, j+1)), boxes xyxy. Randomness: `random`,
+which the dataset seeds per sample."""
 
 from __future__ import annotations
 
@@ -33,10 +31,8 @@ class Piece(NamedTuple):
 
 
 def affine_matrix(in_wh: tuple, out_wh: tuple, hyp: dict) -> tuple[np.ndarray, float]:
-    """Random 3x3 matrix from canvas pixels (x, y, 1) to output pixels, and its scale factor.
-
-    yolov5's T @ S @ R @ P @ C from the recipe's perspective, degrees, scale, shear and translate;
-    in_wh, out_wh: (width, height) of the canvas and the output."""
+    """yolov5's random T @ S @ R @ P @ C from the recipe: a 3x3 matrix from canvas pixels (x, y, 1)
+    to output pixels, and its scale. in_wh, out_wh: (width, height) of the canvas and the output."""
     p, deg, sh, tr = hyp["perspective"], hyp["degrees"], hyp["shear"], hyp["translate"]
     C, P, S, T = np.eye(3), np.eye(3), np.eye(3), np.eye(3)
     C[0, 2], C[1, 2] = -in_wh[0] / 2, -in_wh[1] / 2  # canvas centre to the origin
@@ -79,28 +75,23 @@ def _paste(out: torch.Tensor, src: torch.Tensor, ax, bx, ay, by, rect: tuple) ->
 
 def render(pieces: list[Piece], M: np.ndarray, out_wh: tuple, load: Loader) -> tuple:
     """Draw the pieces through canvas->output matrix M onto a 114-grey uint8 (3,H,W) image of size
-    out_wh -> (image, per piece the (dx, dy) canvas-pixel shift of its drawn pixels).
-    Scale/translate-only M: each source is decoded at reduced scale where possible (never below its
-    letterbox size r, like yolov5 and cache='ram') and resampled straight into its output rectangle.
-    Otherwise the canvas is drawn first, then warped once by PIL (AFFINE or PERSPECTIVE)."""
+    out_wh -> (image, per piece the (dx, dy) canvas-pixel shift of its drawn pixels). A scale and
+    translation M: each source is decoded at reduced scale where possible (never below its letterbox
+    size r) and resampled straight into its output rectangle; else the canvas is warped by PIL."""
     if M[0, 1] or M[1, 0] or M[2, 0] or M[2, 1]:
         size = math.ceil(max(p.clip[2] for p in pieces)), math.ceil(max(p.clip[3] for p in pieces))
         canvas, shifts = render(pieces, np.eye(3), size, load)
         Mi = np.linalg.inv(M)
-        Mi /= Mi[2, 2]
-        persp = bool(M[2, 0] or M[2, 1])
-        how = Image.Transform.PERSPECTIVE if persp else Image.Transform.AFFINE
-        coefs = tuple(Mi.ravel()[: 8 if persp else 6])
+        coefs = tuple((Mi / Mi[2, 2]).ravel()[:8])  # an affine M gives PIL's AFFINE result too
         im = Image.fromarray(canvas.permute(1, 2, 0).numpy())
-        im = im.transform(tuple(out_wh), how, coefs, Image.Resampling.BILINEAR, fillcolor=FILL)
+        im = im.transform(out_wh, Image.PERSPECTIVE, coefs, Image.BILINEAR, fillcolor=FILL)
         return torch.from_numpy(np.array(im)).permute(2, 0, 1).contiguous(), shifts
     out, shifts = torch.full((3, out_wh[1], out_wh[0]), FILL[0], dtype=torch.uint8), []
     # canvas -> output pixels: sx * x + bx, sy * y + by
     sx, bx, sy, by = M[0, 0], M[0, 2], M[1, 1], M[1, 2]
     for p in pieces:
-        X0, Y0 = round(max(sx * p.clip[0] + bx, 0)), round(max(sy * p.clip[1] + by, 0))
-        X1 = round(min(sx * p.clip[2] + bx, out_wh[0]))
-        Y1 = round(min(sy * p.clip[3] + by, out_wh[1]))
+        rect = np.array(p.clip) * (sx, sy, sx, sy) + (bx, by, bx, by)
+        X0, Y0, X1, Y1 = (round(v) for v in rect.clip(0, out_wh * 2))  # out_wh * 2: W, H, W, H
         if X1 <= X0 or Y1 <= Y0:
             shifts.append((0.0, 0.0))
             continue
@@ -132,11 +123,10 @@ def box_candidates(b1: np.ndarray, b2: np.ndarray, area_thr: float) -> np.ndarra
 
 
 def place_labels(pieces: list, labels: list, M: np.ndarray, sc: float, out_wh: tuple, shifts: list):
-    """Labels of the pieces through the geometry -> cls (n,), boxes (n,4) xyxy output px, polygons.
-    labels[k]: the dataset label dict of pieces[k]. A polygon is resampled to NPTS points, clamped
-    to the piece's visible canvas area and transformed; its box is the extent of the points inside
-    the output. A box-only instance (polygon None) transforms its corners and is clipped. sc: the
-    affine's scale (box-candidate area ratio); shifts: render's, so labels follow drawn pixels."""
+    """Labels (dataset label dicts) of the pieces through the geometry -> cls (n,), boxes (n,4) xyxy
+    output px, polygons. A polygon is resampled to NPTS points, clamped to the piece's visible area
+    and transformed, its box the extent of the points inside; a box (polygon None): its corners,
+    clipped. sc: the affine's scale; shifts: render's, so that labels follow the drawn pixels."""
     W, H = out_wh
     out, polys = [], []  # per piece: cls, box before (canvas), box after (output), has-polygon
     for p, lb, (dx, dy) in zip(pieces, labels, shifts):
@@ -147,10 +137,9 @@ def place_labels(pieces: list, labels: list, M: np.ndarray, sc: float, out_wh: t
         x = np.clip(pts[..., 0] * (w0 * p.r) + p.ox + dx, p.clip[0], p.clip[2])
         y = np.clip(pts[..., 1] * (h0 * p.r) + p.oy + dy, p.clip[1], p.clip[3])
         before = np.stack([x.min(1), y.min(1), x.max(1), y.max(1)], 1)
-        qx, qy = M[0, 0] * x + M[0, 1] * y + M[0, 2], M[1, 0] * x + M[1, 1] * y + M[1, 2]
-        if M[2, 0] or M[2, 1]:
-            d = M[2, 0] * x + M[2, 1] * y + M[2, 2]
-            qx, qy = qx / d, qy / d
+        d = M[2, 0] * x + M[2, 1] * y + M[2, 2]  # exactly 1 for an affine M
+        qx = (M[0, 0] * x + M[0, 1] * y + M[0, 2]) / d
+        qy = (M[1, 0] * x + M[1, 1] * y + M[1, 2]) / d
         if seg:
             ins = (qx >= 0) & (qx <= W) & (qy >= 0) & (qy <= H)
             lo = [np.where(ins, q, np.inf).min(1) for q in (qx, qy)]
@@ -166,17 +155,14 @@ def place_labels(pieces: list, labels: list, M: np.ndarray, sc: float, out_wh: t
         return np.zeros(0, np.int64), np.zeros((0, 4), np.float32), []
     cls, before, boxes, seg = map(np.concatenate, zip(*out))
     boxes, before = boxes.astype(np.float32), before * sc
-    keep = box_candidates(before, boxes, 0.1) | (seg & box_candidates(before, boxes, 0.01))
+    keep = box_candidates(before, boxes, np.where(seg, 0.01, 0.1))  # area ratio
     return cls[keep].astype(np.int64), boxes[keep], [q for q, k in zip(polys, keep) if k]
 
 
 def hsv_jitter(img: torch.Tensor, hyp: dict) -> torch.Tensor:
-    """HSV jitter of a uint8 (3,H,W) image in RGB (fast): gains U(-1,1) * hsv_h/s/v + 1 (yolov5).
-
-    Saturation: a blend with V = max(R,G,B) (c' = V + gs*(c - V)); value: every channel times gv;
-    both exact but where a channel clips. Hue: a rotation about the grey axis by (gh-1)*180 degrees,
-    the mean shift of yolov5's multiplicative hue gain (an approximation, at most 2.7 degrees off).
-    """
+    """HSV jitter of a uint8 (3,H,W) RGB image by gains U(-1,1) * hsv_h/s/v + 1 (yolov5), in RGB:
+    saturation a blend with V = max(R,G,B), value a product (both exact unless a channel clips), hue
+    a rotation about the grey axis by yolov5's mean hue shift (at most 2.7 degrees off)."""
     gh, gs, gv = (random.uniform(-1, 1) * hyp[k] + 1 for k in ("hsv_h", "hsv_s", "hsv_v"))
     r, g, b = (Image.fromarray(c) for c in img.numpy())
     v = ImageChops.lighter(ImageChops.lighter(r, g), b)
@@ -206,6 +192,5 @@ def overlap_mask(polys: list, boxes: np.ndarray, out_hw: tuple, ratio: int = 4) 
     shapes = [c if p is None else p for p, c in zip(polys, box_corners(boxes))]
     for k in np.argsort(-np.array([polygon_area(s) for s in shapes]), kind="stable"):
         draw.polygon((shapes[k] * (2 / ratio) + 0.5).ravel().tolist(), fill=int(k) + 1)
-    return torch.from_numpy(
-        np.asarray(m)[1::2, 1::2].astype(np.uint8 if m.mode == "L" else np.int16)
-    )
+    dtype = np.uint8 if m.mode == "L" else np.int16
+    return torch.from_numpy(np.asarray(m)[1::2, 1::2].astype(dtype))

@@ -1,6 +1,5 @@
-"""Pictures: a JPEG grid of a batch's images with boxes, class names and masks (torchvision
-drawing), and results.png from a run's results.csv when matplotlib is installed (not a dependency).
-"""
+"""Pictures: JPEG grids of batches with boxes, class names and masks (torchvision drawing), and
+results.png from a run's results.csv when matplotlib is installed (not a dependency)."""
 
 from __future__ import annotations
 
@@ -23,23 +22,14 @@ MAX_IMAGES, MAX_SIZE, PAD = 16, 1920, 4  # images in a grid, its longest side, t
 
 
 def draw_batch(
-    images: torch.Tensor,
-    targets: torch.Tensor | None = None,
-    masks=None,
-    paths=None,
-    fname: str | Path = "train_batch0.jpg",
-    names=None,
-    preds=None,
-) -> Path:
-    """Write a grid of up to MAX_IMAGES images to `fname` and return its path.
-
-    images: uint8 (bs,3,H,W). Labels: targets (N,6) [img_idx, cls, cx, cy, w, h] normalised, masks
-    (bs,h,w) overlap index maps (value k: the k-th target of that image). Predictions instead: preds
-    per image (n,6+) [x1, y1, x2, y2, conf, cls] in input pixels, masks per image (n,h,w) bool.
-    """
+    images, targets=None, masks=None, paths=None, fname="train_batch0.jpg", names=None, preds=None
+):
+    """Write a grid of up to MAX_IMAGES images, uint8 (bs,3,H,W), to `fname` -> its path. Labels:
+    targets (N,6) [img_idx, cls, cx, cy, w, h] normalised, masks (bs,h,w) overlap index maps (value
+    k: the k-th target of that image); or predictions: preds per image (n,6+) [x1, y1, x2, y2, conf,
+    cls] in input pixels, masks per image (n,h,w) bool."""
     bs, _, H, W = images.shape
     n, cells = min(bs, MAX_IMAGES), []
-    targets = torch.zeros(0, 6) if targets is None else targets
     for i in range(n):
         conf = None
         if preds is not None:
@@ -56,8 +46,7 @@ def draw_batch(
         width = max(1, round(W / 320))
         cells.append(draw_detections(images[i].cpu(), boxes, cls, conf, names, inst, width))
     nrow = math.ceil(math.sqrt(n))
-    grid = make_grid(cells, nrow=nrow, padding=PAD, pad_value=255)
-    grid = Image.fromarray(grid.permute(1, 2, 0).numpy())
+    grid = Image.fromarray(make_grid(cells, nrow, PAD, pad_value=255).permute(1, 2, 0).numpy())
     draw = ImageDraw.Draw(grid)
     for k, path in enumerate((paths or [])[:n]):
         x, y = PAD + (k % nrow) * (W + PAD), PAD + (k // nrow) * (H + PAD)

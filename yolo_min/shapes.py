@@ -1,9 +1,6 @@
-"""The embedded default dataset: deterministic synthetic shapes, generated on first use.
-
-512 train / 64 val JPEGs (128 x 128 px), each with 1 to 4 non-overlapping filled circles, rectangles
-and triangles (each class in its own band of hues) on a noisy background, labelled with the exact
-drawn polygons: a YOLOv5n learns it on a CPU in minutes (README: mAP50 > 0.9 in 30 epochs).
-shapes-cls, for classification: single shapes cut from more such scenes, in an ImageFolder.
+"""The embedded datasets, generated on first use. "shapes": 512 train / 64 val 128 px JPEGs of 1-4
+circles, rectangles and triangles (a band of hues per class) on noise, labelled with the drawn
+polygons (YOLOv5n: mAP50 > 0.9 in 30 CPU epochs). "shapes-cls": single shapes cut from such scenes.
 """
 
 from __future__ import annotations
@@ -67,15 +64,11 @@ def generate(root: Path, n_train=N_TRAIN, n_val=N_VAL, size=SIZE, seed=0) -> Pat
         for i in range(n):
             im, labels = make_image(rng, size)
             im.save(root / "images" / split / f"{i:06d}.jpg", quality=92)
-            rows = [
-                " ".join([str(k), *(f"{v:.6f}" for v in (p / size).ravel())]) for k, p in labels
-            ]
-            (root / "labels" / split / f"{i:06d}.txt").write_text("".join(r + "\n" for r in rows))
+            rows = [" ".join([str(k), *(f"{v:.6f}" for v in p.ravel() / size)]) for k, p in labels]
+            (root / "labels" / split / f"{i:06d}.txt").write_text("".join(f"{r}\n" for r in rows))
     names = "".join(f"  {i}: {n}\n" for i, n in enumerate(NAMES))
-    head = (
-        f"# yolo_min synthetic shapes v{VERSION}\npath: .\ntrain: images/train\nval: images/val\n"
-    )
-    (root / "shapes.yaml").write_text(f"{head}nc: {len(NAMES)}\nnames:\n{names}")
+    head = f"# yolo_min synthetic shapes v{VERSION}\npath: .\ntrain: images/train\n"
+    (root / "shapes.yaml").write_text(f"{head}val: images/val\nnc: {len(NAMES)}\nnames:\n{names}")
     return root / "shapes.yaml"
 
 
