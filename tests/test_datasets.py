@@ -516,17 +516,18 @@ def test_cache_ram(tmp_path, monkeypatch):
     src = make_squares(tmp_path, False)
     plain = YOLODataset(src, imgsz=64, rect=True, batch_size=2, nc=1)
     ref = [collate([plain[i], plain[i + 1]]) for i in (0, 2)]
+    nbytes = sum(w * h * 3 for w, h in plain._dims)  # each image at long side imgsz
     # 10% is just too little
-    monkeypatch.setattr(D, "available_memory", lambda: 10 * plain._offs[-1])
+    monkeypatch.setattr(D, "available_memory", lambda: 10 * nbytes)
     assert YOLODataset(src, imgsz=64, rect=True, batch_size=2, nc=1, cache="auto")._ram is None
-    monkeypatch.setattr(D, "available_memory", lambda: plain._offs[-1] - 1)
+    monkeypatch.setattr(D, "available_memory", lambda: nbytes - 1)
     with pytest.raises(
         DataError, match="caching the images in RAM needs .* GB is available: use --cache off"
     ):
         YOLODataset(src, imgsz=64, rect=True, batch_size=2, nc=1, cache="ram")
-    monkeypatch.setattr(D, "available_memory", lambda: 10 * plain._offs[-1] + 1)
+    monkeypatch.setattr(D, "available_memory", lambda: 10 * nbytes + 1)
     ds = YOLODataset(src, imgsz=64, rect=True, batch_size=2, nc=1, cache="auto")
-    assert ds._ram is not None and ds._ram.nbytes == sum(w * h * 3 for w, h in ds._dims)
+    assert [a.shape for a in ds._ram] == [(h, w, 3) for w, h in ds._dims]
     for f in ds.im_files:
         os.remove(f)  # decoded at construction: now served from RAM only, also by worker processes
     loader, _ = build_dataloader(ds, 2, workers=2, shuffle=False)

@@ -1,7 +1,5 @@
-"""The data config, YOLODataset (mosaic or letterbox), ClassifyDataset, collate, samplers, loaders.
-
-File finding and label verification live in labels.py, image geometry and colour in augment.py.
-Nothing here knows about ranks: the caller passes rank, world sizes and verbose.
+"""The data config, YOLODataset (mosaic or letterbox), ClassifyDataset, collate, samplers, loaders;
+labels.py finds and verifies files, augment.py does the geometry. Ranks are the caller's arguments.
 """
 
 from __future__ import annotations
@@ -58,9 +56,8 @@ def load_data_config(path: str) -> dict:
     for k in ("train", "val"):
         srcs = cfg[k] if isinstance(cfg[k], list) else [cfg[k]]
         out[k] = [os.path.normpath(os.path.join(root, str(s))) for s in srcs]
-        for s in out[k]:
-            if not os.path.exists(s):
-                raise DataError(f"{p}: {k} source {s} not found")
+        if absent := [s for s in out[k] if not os.path.exists(s)]:
+            raise DataError(f"{p}: {k} source {absent[0]} not found")
     return out
 
 
@@ -98,16 +95,13 @@ def available_memory() -> int:
 
 
 class YOLODataset(Dataset):
-    """YOLO-format images and labels as training (mosaic) or validation (letterbox) samples.
-
-    A sample: `image` uint8 (3,H,W) RGB; `targets` float32 (n,5) [cls, cx, cy, w, h] normalised to
-    the input; `masks` (H/4,W/4) overlap index map (k: the k-th target) or None; `path`; `shape`
-    (orig_hw, ratio_pad ((rh, rw), (padw, padh))): input = original * r + pad; `index`.
-    `labels[i]`: see load_labels. hyp: the recipe, for augment=True. rect=True: files sorted by
-    aspect ratio; batch b (batch_size consecutive indices) has the input shape `batch_shapes[b]`.
-    cache="ram": images decoded once, at long side imgsz, kept in RAM; "auto": the same when the
-    local_world_size processes of this node need < 10% of the free memory for it.
-    """
+    """YOLO-format images and labels as training (mosaic) or validation (letterbox) samples: `image`
+    uint8 (3,H,W) RGB; `targets` float32 (n,5) [cls, cx, cy, w, h] normalised; `masks` (H/4,W/4)
+    overlap index map (k: the k-th target) or None; `path`; `shape` (orig_hw, ((rh, rw), (padw,
+    padh))): input = original * r + pad; `index`. `labels[i]`: see load_labels. hyp: the recipe, for
+    augment. rect: files sorted by aspect ratio, batch b (batch_size consecutive indices) shaped
+    `batch_shapes[b]`. cache "ram": images kept in RAM at long side imgsz; "auto": the same when the
+    local_world_size processes of this node need < 10% of the free memory."""
 
     def __init__(
         self,
@@ -119,7 +113,6 @@ class YOLODataset(Dataset):
         rect: bool = False,
         batch_size: int = 16,
         stride: int = 32,
-        pad: float = 0.5,
         cache: str | None = None,
         prefix: str = "",
         nc: int | None = None,
@@ -141,27 +134,24 @@ class YOLODataset(Dataset):
             ar, first = hw[:, 0] / hw[:, 1], np.arange(0, len(hw), batch_size)
             lo, hi = ar[first], ar[np.minimum(first + batch_size, len(ar)) - 1]  # h/w of each batch
             rel = np.stack([np.where(hi < 1, hi, 1), np.where(lo > 1, 1 / lo, 1)], 1)  # H, W / size
-            self.batch_shapes = np.ceil(rel * imgsz / stride + pad).astype(int) * stride
-        # each image's (w, h) at long side imgsz, and where its pixels start in the RAM cache
+            self.batch_shapes = np.ceil(rel * imgsz / stride + 0.5).astype(int) * stride
+        # each image's (w, h) in the RAM cache: long side imgsz
         self._dims = np.round(hw[:, ::-1] * imgsz / hw.max(1, keepdims=True)).astype(int)
-        self._offs, self._ram = np.cumsum([0, *(self._dims.prod(1) * 3)]), None
-        need, free = self._offs[-1] * local_world_size, available_memory()
+        size, free, self._ram = int(self._dims.prod(1).sum()) * 3, available_memory(), None
+        need = size * local_world_size
         if cache == "auto":  # small enough: decode each image once instead of in every epoch
             cache = "ram" if need < free / 10 else None
         if cache == "ram" and free and need > free:
             gb = f"needs {need / 1e9:.1f} GB, {free / 1e9:.1f} GB is available"
             raise DataError(f"{prefix}caching the images in RAM {gb}: use --cache off")
-        if cache == "ram":
-            self._ram = np.empty(self._offs[-1], np.uint8)  # forked workers share these pages
+        if cache == "ram":  # forked workers share these pages
             with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:  # PIL decodes without GIL
-                list(pool.map(self._cache, range(len(self))))
+                self._ram = list(pool.map(self._cached, range(len(self))))
             if verbose:
-                mb = self._offs[-1] / 1e6
-                print(f"{prefix}{len(self)} images cached in RAM ({mb:.0f} MB)", flush=True)
+                print(f"{prefix}{len(self)} images cached in RAM ({size / 1e6:.0f} MB)", flush=True)
 
     def check_polygons(self) -> None:
-        """DataError unless some label is a polygon (a segmentation model learns masks from them;
-        box rows alone would only teach it rectangles)."""
+        """DataError unless some label is a polygon (from boxes alone masks would be rectangles)."""
         if not any(len(lb["segments"]) for lb in self.labels):
             raise DataError(f"{self.prefix}a segmentation model needs polygon labels: boxes only")
 
@@ -171,19 +161,14 @@ class YOLODataset(Dataset):
     def load_image(self, i: int, scale: float = 1.0) -> tuple[torch.Tensor, tuple]:
         """Image i as uint8 (h,w,3) RGB and its (sx, sy) size relative to the original: the RAM
         copy, or decoded at >= `scale` x the original size where the format allows (JPEG DCT)."""
-        h0, w0 = self.labels[i]["shape"]
-        if self._ram is None:
-            im = self._decode(i, scale)
-            return torch.from_numpy(np.array(im)), (im.width / w0, im.height / h0)
-        w, h = map(int, self._dims[i])
-        im = self._ram[self._offs[i] : self._offs[i + 1]].reshape(h, w, 3)
+        im = self._ram[i] if self._ram else np.array(self._decode(i, scale))
+        (h0, w0), (h, w) = self.labels[i]["shape"], im.shape[:2]
         return torch.from_numpy(im), (w / w0, h / h0)
 
-    def _cache(self, i: int) -> None:
+    def _cached(self, i: int) -> np.ndarray:
         w, h = map(int, self._dims[i])
         im = self._decode(i, w / self.labels[i]["shape"][1])  # drafted at >= the cached size
-        pixels = np.asarray(im.resize((w, h), Image.Resampling.BILINEAR))
-        self._ram[self._offs[i] : self._offs[i + 1]] = pixels.ravel()
+        return np.array(im.resize((w, h), Image.Resampling.BILINEAR))
 
     def _decode(self, i: int, scale: float) -> Image.Image:
         f = self.im_files[i]
@@ -220,10 +205,9 @@ class YOLODataset(Dataset):
     def __getitem__(self, key: int | tuple) -> dict:
         """key: an index, or (seed, epoch, index) from EpochSampler, which seeds this sample's
         augmentation: the same images at any worker count or rank."""
-        i = key
         if isinstance(key, tuple):
             random.seed("%d:%d:%d" % key)
-            i = key[2]
+        i = key[2] if isinstance(key, tuple) else key
         mosaic = self.augment and not self.rect and random.random() < self.hyp["mosaic"]
         pieces, canvas = self._pieces(i, mosaic)
         W, H = out = (self.imgsz, self.imgsz) if mosaic else canvas
@@ -284,9 +268,8 @@ class ClassifyDataset(ImageFolder):
 
     def __init__(self, root, imgsz=224, augment=False, prefix="", verbose=True):
         super().__init__(root, loader=load_rgb, allow_empty=True)  # classes: load_folder_data's
-        crop = v2.RandomResizedCrop(imgsz, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3))
-        jitter = v2.RandomApply([v2.ColorJitter(0.4, 0.4, 0.4, 0.0)], p=0.5)
-        train = [crop, v2.RandomHorizontalFlip(0.5), jitter]
+        jitter = v2.RandomApply([v2.ColorJitter(0.4, 0.4, 0.4)], p=0.5)
+        train = [v2.RandomResizedCrop(imgsz), v2.RandomHorizontalFlip(0.5), jitter]  # yolov5's
         steps = train if augment else [center_square, v2.Resize((imgsz, imgsz))]
         self.transform = v2.Compose([*steps, v2.PILToTensor()])
         with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:  # PIL decodes without GIL
@@ -343,24 +326,15 @@ class EpochSampler(DistributedSampler):
 
 
 def build_dataloader(
-    dataset: YOLODataset,
-    batch_size: int,
-    workers: int = 8,
-    shuffle: bool = True,
-    rank: int = 0,
-    world_size: int = 1,
-    seed: int = 0,
-    local_world_size: int = 1,
-    pin_memory: bool | None = None,
-):
-    """-> (DataLoader, sampler). shuffle=True (training): a seeded EpochSampler, also at world size
-    1 (call `sampler.set_epoch(e)`). shuffle=False (validation): the `shard_batches` list.
-    `workers` is capped at this process's share of the CPUs (local_world_size processes share them).
-    """
+    dataset, batch_size, workers=8, shuffle=True, rank=0, world_size=1, seed=0, local_world_size=1
+) -> tuple:
+    """-> (DataLoader, sampler): for training (shuffle) a seeded EpochSampler, also at world size 1
+    (call `sampler.set_epoch(e)`), else the `shard_batches` list. `workers` is capped at this
+    process's share of the CPUs (local_world_size processes share them)."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     workers = min(workers, max(cpus // local_world_size, 1))
     kw = dict(collate_fn=collate, num_workers=workers, persistent_workers=workers > 0)
-    kw["pin_memory"] = torch.cuda.is_available() if pin_memory is None else pin_memory
+    kw["pin_memory"] = torch.cuda.is_available()
     if shuffle:
         sampler = EpochSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed)
         return DataLoader(dataset, batch_size=batch_size, sampler=sampler, **kw), sampler
