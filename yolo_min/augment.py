@@ -1,13 +1,11 @@
-"""Image geometry and colour (torch, PIL, numpy; no OpenCV): yolov5's random affine, render (one
-resampling per source image), place_labels (labels through the same geometry), HSV jitter, overlap
-masks. Coordinates: continuous pixels (pixel j covers [j, j+1)), boxes xyxy. Randomness: `random`,
-which the dataset seeds per sample."""
+"""Image geometry and colour (no OpenCV): yolov5's random affine, render, place_labels, HSV jitter,
+overlap masks. Pixel j covers [j, j+1); boxes xyxy; randomness: `random`, seeded per sample."""
 
 from __future__ import annotations
 
 import math
 import random
-from typing import Callable, NamedTuple
+from collections import namedtuple
 
 import numpy as np
 import torch
@@ -18,16 +16,9 @@ from .ops import box_corners, xywh2xyxy
 
 FILL = (114, 114, 114)
 NPTS = 1000  # polygons are resampled to this many points before clipping (as yolov5 does)
-
-
-class Piece(NamedTuple):
-    """One source image on the canvas: canvas = r * original_pixel + (ox, oy), visible in `clip`."""
-
-    index: int
-    r: float
-    ox: float
-    oy: float
-    clip: tuple  # (x0, y0, x1, y1) canvas pixels
+# One source image on the canvas: canvas = r * original_pixel + (ox, oy), visible in clip (x0, y0,
+# x1, y1) canvas pixels
+Piece = namedtuple("Piece", "index r ox oy clip")
 
 
 def affine_matrix(in_wh: tuple, out_wh: tuple, hyp: dict) -> tuple[np.ndarray, float]:
@@ -46,9 +37,6 @@ def affine_matrix(in_wh: tuple, out_wh: tuple, hyp: dict) -> tuple[np.ndarray, f
     T[0, 2] = random.uniform(0.5 - tr, 0.5 + tr) * out_wh[0]
     T[1, 2] = random.uniform(0.5 - tr, 0.5 + tr) * out_wh[1]
     return T @ S @ R @ P @ C, s
-
-
-Loader = Callable[[int, float], tuple]  # (index, scale) -> (uint8 (h,w,3), (sx, sy) vs original)
 
 
 def _paste(out: torch.Tensor, src: torch.Tensor, ax, bx, ay, by, rect: tuple) -> tuple:
@@ -73,11 +61,11 @@ def _paste(out: torch.Tensor, src: torch.Tensor, ax, bx, ay, by, rect: tuple) ->
     return P - px, Q - py
 
 
-def render(pieces: list[Piece], M: np.ndarray, out_wh: tuple, load: Loader) -> tuple:
+def render(pieces: list[Piece], M: np.ndarray, out_wh: tuple, load) -> tuple:
     """Draw the pieces through canvas->output matrix M onto a 114-grey uint8 (3,H,W) image of size
     out_wh -> (image, per piece the (dx, dy) canvas-pixel shift of its drawn pixels). A scale and
-    translation M: each source is decoded at reduced scale where possible (never below its letterbox
-    size r) and resampled straight into its output rectangle; else the canvas is warped by PIL."""
+    translation M: each source, load(index, scale) -> (uint8 (h,w,3), (sx, sy) vs original) at scale
+    >= its letterbox r, is resampled into its output rectangle; else PIL warps the canvas."""
     if M[0, 1] or M[1, 0] or M[2, 0] or M[2, 1]:
         size = math.ceil(max(p.clip[2] for p in pieces)), math.ceil(max(p.clip[3] for p in pieces))
         canvas, shifts = render(pieces, np.eye(3), size, load)
@@ -181,11 +169,10 @@ def polygon_area(p: np.ndarray) -> float:
 
 
 def overlap_mask(polys: list, boxes: np.ndarray, out_hw: tuple, ratio: int = 4) -> torch.Tensor:
-    """Overlap index map (H//ratio, W//ratio) uint8, or int16 from 256 instances: value k = the k-th
-    instance (1-based). polys[j]: (m,2) output-pixel polygon of instance j, or None for its box
-    (boxes (n,4) xyxy). Larger instances are painted first, so smaller ones stay on top (yolov5).
-    A pixel is set when its centre lies inside the polygon, to within 1 input pixel: PIL truncates
-    vertices and fills boundaries inclusively, so we draw at 2x and sample (offsets: symmetric)."""
+    """Overlap index map (H//ratio, W//ratio) uint8 (int16 from 256 instances), value k: instance k
+    (1-based), polys[k-1] (m,2) output pixels or None for its box (boxes (n,4) xyxy). Larger ones
+    are painted first, smaller on top (yolov5). A pixel is set when its centre is inside (to 1 input
+    px): PIL truncates vertices and fills boundaries inclusively, so we draw at 2x and sample."""
     h, w = out_hw[0] // ratio, out_hw[1] // ratio
     m = Image.new("L" if len(boxes) < 256 else "I", (2 * w, 2 * h), 0)
     draw = ImageDraw.Draw(m)

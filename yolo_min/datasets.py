@@ -1,6 +1,5 @@
-"""The data config, YOLODataset (mosaic or letterbox), ClassifyDataset, collate, samplers, loaders;
-labels.py finds and verifies files, augment.py does the geometry. Ranks are the caller's arguments.
-"""
+"""The data config, YOLODataset (mosaic or letterbox), ClassifyDataset, collate, samplers, loaders.
+labels.py finds and verifies files, augment.py does geometry. Ranks are the caller's arguments."""
 
 from __future__ import annotations
 
@@ -88,9 +87,8 @@ def load_folder_data(path: str) -> dict:
 def available_memory() -> int:
     """Bytes of memory available for new allocations (Linux MemAvailable); 0 where unknown."""
     try:
-        with open("/proc/meminfo") as f:
-            return next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError):
+        return int(Path("/proc/meminfo").read_text().split("MemAvailable:")[1].split()[0]) * 1024
+    except (OSError, IndexError, ValueError):
         return 0
 
 

@@ -1,6 +1,4 @@
-"""Finding images and verifying their YOLO label files, with a cache of the verification.
-
-A label file sits at its image's path with the last /images/ -> /labels/ and the extension .txt.
+"""Finding images and verifying their YOLO label files (last /images/ -> /labels/, .txt), cached.
 Bad input never crashes and is never silent: one warning per problem (file and line), then counts.
 """
 
@@ -210,20 +208,18 @@ def _load_or_build(files: list, nc, prefix: str, verbose: bool) -> dict:
             return data
     except Exception:  # absent, another format or damaged: verify again
         pass
-    data, why = dict(_verify_all(files, lb_files, nc), key=key), None
-    d = path.parent  # root ignores permission bits; a folder marked read-only is respected anyway
-    if not (d.is_dir() and os.access(d, os.W_OK) and d.stat().st_mode & 0o222):
-        why = f": {d} is not writable (labels are re-verified each run)"
-    else:
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # written whole, then renamed
-        try:
-            torch.save(data, tmp)
-            os.replace(tmp, path)
-        except (OSError, RuntimeError) as e:  # RuntimeError: torch's zip writer, e.g. disk full
-            why = f" to {path} ({e})"
-            tmp.unlink(missing_ok=True)
-    if why and verbose:
-        print(f"WARNING {prefix}label cache not saved{why}", flush=True)
+    data = dict(_verify_all(files, lb_files, nc), key=key)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # written whole, then renamed
+    try:
+        d = path.parent  # root ignores permission bits; a folder marked read-only is respected
+        if not (os.access(d, os.W_OK) and d.stat().st_mode & 0o222):
+            raise PermissionError(f"{d} is not writable")
+        torch.save(data, tmp)
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as e:  # RuntimeError: torch's zip writer, e.g. disk full
+        tmp.unlink(missing_ok=True)
+        if verbose:
+            print(f"WARNING {prefix}label cache not saved to {path} ({e}): labels are re-verified")
     return data
 
 

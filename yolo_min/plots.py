@@ -21,9 +21,7 @@ PALETTE = (
 MAX_IMAGES, MAX_SIZE, PAD = 16, 1920, 4  # images in a grid, its longest side, the gap (pixels)
 
 
-def draw_batch(
-    images, targets=None, masks=None, paths=None, fname="train_batch0.jpg", names=None, preds=None
-):
+def draw_batch(images, targets=None, masks=None, paths=None, *, fname, names=None, preds=None):
     """Write a grid of up to MAX_IMAGES images, uint8 (bs,3,H,W), to `fname` -> its path. Labels:
     targets (N,6) [img_idx, cls, cx, cy, w, h] normalised, masks (bs,h,w) overlap index maps (value
     k: the k-th target of that image); or predictions: preds per image (n,6+) [x1, y1, x2, y2, conf,
@@ -31,13 +29,13 @@ def draw_batch(
     bs, _, H, W = images.shape
     n, cells = min(bs, MAX_IMAGES), []
     for i in range(n):
-        conf = None
         if preds is not None:
             p = preds[i].detach().float().cpu()
             boxes, cls, conf = p[:, :4], p[:, 5].long().tolist(), p[:, 4].tolist()
         else:
             t = targets[targets[:, 0] == i].float().cpu()
-            boxes, cls = xywh2xyxy(t[:, 2:6] * torch.tensor([W, H, W, H])), t[:, 1].long().tolist()
+            boxes = xywh2xyxy(t[:, 2:6] * torch.tensor([W, H, W, H]))
+            cls, conf = t[:, 1].long().tolist(), None
         inst = None
         if masks is not None and cls:
             m = masks[i].cpu()
@@ -57,9 +55,7 @@ def draw_batch(
     return Path(fname)
 
 
-def draw_detections(
-    image, boxes, cls: list, conf=None, names=None, masks=None, width=1, labels=True
-):
+def draw_detections(image, boxes, cls, conf=None, names=None, masks=None, width=1, labels=True):
     """uint8 (3, H, W) image with bool masks (n, H, W) blended in (alpha 0.5) and boxes (n, 4)
     xyxy pixels drawn in the colours of classes cls, labelled "name conf" ("name" if conf is None,
     nothing unless labels); a new tensor, or the image itself when cls is empty."""
