@@ -71,11 +71,9 @@ def list_images(sources, prefix: str = "", verbose: bool = True) -> list[str]:
 
 
 def parse_labels(text: str, where: str, nc: int | None = None) -> tuple[list, list, int, int]:
-    """Label file text -> (rows, msgs, dropped, fixed), rows [(cls, [cx, cy, w, h], (k,2) or None)].
-
-    A row is `cls cx cy w h` or `cls x1 y1 x2 y2 x3 y3 ...` (a polygon; its box is its extent),
-    normalised to [0, 1]. In a file that has both, box rows become rectangles: all rows or none
-    have a polygon."""
+    """Label file text -> (rows [(cls, [cx, cy, w, h], (k,2) or None)], msgs, dropped, fixed). Row:
+    `cls cx cy w h` or `cls x1 y1 x2 y2 x3 y3 ...` (a polygon, its box its extent) in [0, 1]. A file
+    with both has its box rows made rectangles: all rows or none have a polygon."""
     rows, seen, msgs, dropped, fixed = [], {}, [], 0, 0
     for ln, line in enumerate(text.splitlines(), 1):
         parts, why = line.split(), None
@@ -224,11 +222,9 @@ def _load_or_build(files: list, nc, prefix: str, verbose: bool) -> dict:
 
 
 def load_labels(files: list, nc: int | None = None, prefix: str = "", verbose: bool = True):
-    """Verified (cached) labels of image files -> (usable files, label dicts, counts).
-
-    A label dict: cls (n,) int64, bboxes (n,4) float32 normalised xywh, segments [(k,2) float32
-    normalised] or [], shape (h, w). verbose: print the warnings and a summary line.
-    """
+    """Verified (cached) labels of image files -> (usable files, label dicts, counts). A label dict:
+    cls (n,) int64, bboxes (n,4) float32 normalised xywh, segments [(k,2) float32 normalised] or [],
+    shape (h, w). verbose: print the warnings and a summary line."""
     d = _load_or_build(files, nc, prefix, verbose)
     msgs, stop = d["msgs"], MAX_WARNINGS
     if verbose:
