@@ -296,8 +296,7 @@ class ClassifyDataset(ImageFolder):
 
 def collate(samples: list[dict]) -> dict:
     """Samples -> batch: images uint8 (bs,3,H,W); targets float32 (N,6) [image, cls, cx, cy, w, h]
-    (ClassifyDataset's: int64 (bs,2) [image, cls]); masks float32 (bs,H/4,W/4) or None; paths;
-    shapes; indices int64 (bs,)."""
+    (classify: int64 (bs,2)); masks float32 (bs,H/4,W/4) or None; paths; shapes; indices (bs,)."""
     images = torch.stack([s["image"] for s in samples])
     targets = torch.cat([F.pad(s["targets"], (1, 0), value=k) for k, s in enumerate(samples)])
     masks = [s["masks"] for s in samples]
