@@ -152,8 +152,7 @@ def verify(im_file: str, lb_file: str, nc: int | None = None) -> tuple:
     if not os.path.exists(lb_file):
         return MISSING, (h, w), [], msgs, 0, 0
     try:
-        with open(lb_file, encoding="utf-8") as f:
-            rows, m, dropped, fixed = parse_labels(f.read(), lb_file, nc)
+        rows, m, dropped, fixed = parse_labels(Path(lb_file).read_text("utf-8"), lb_file, nc)
     except (OSError, UnicodeDecodeError) as e:
         return bad(f"label file {lb_file} unreadable ({type(e).__name__}: {e})")
     if dropped and not rows:
@@ -167,24 +166,20 @@ def _verify_all(files: list, lb_files: list, nc) -> dict:
     holds the whole dataset, readable by torch.load(weights_only=True))."""
     with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as ex:
         res = list(ex.map(lambda a: verify(*a, nc), zip(files, lb_files)))
-    rows = [row for r in res for row in r[2]]
+    status, shapes, file_rows, file_msgs, dropped, fixed = zip(*res)
+    rows = [row for r in file_rows for row in r]
     polys = [p for _, _, p in rows if p is not None] + [np.zeros((0, 2))]
-    no_dir = sorted({os.path.dirname(lb) for r, lb in zip(res, lb_files) if r[0] == MISSING})
+    no_dir = sorted({os.path.dirname(lb) for s, lb in zip(status, lb_files) if s == MISSING})
     bg = "does not exist: its images are used as background"
-    msgs = [m for r in res for m in r[3]]
+    msgs = [m for ms in file_msgs for m in ms]
     msgs += [f"labels folder {d} {bg}" for d in no_dir if not os.path.isdir(d)]
-    return dict(
-        status=[r[0] for r in res],
-        shapes=[r[1] for r in res],
-        nrows=[len(r[2]) for r in res],
-        cls=torch.tensor([c for c, _, _ in rows], dtype=torch.int64),
-        boxes=torch.from_numpy(np.array([b for _, b, _ in rows], np.float32).reshape(-1, 4)),
-        npts=[0 if p is None else len(p) for _, _, p in rows],
-        pts=torch.from_numpy(np.concatenate(polys).astype(np.float32)),
-        msgs=msgs,
-        dropped=sum(r[4] for r in res),
-        fixed=sum(r[5] for r in res),
-    )
+    cls = torch.tensor([c for c, _, _ in rows], dtype=torch.int64)
+    boxes = torch.from_numpy(np.array([b for _, b, _ in rows], np.float32).reshape(-1, 4))
+    pts = torch.from_numpy(np.concatenate(polys).astype(np.float32))
+    npts = [0 if p is None else len(p) for _, _, p in rows]
+    per_file = dict(status=list(status), shapes=list(shapes), nrows=[len(r) for r in file_rows])
+    per_row = dict(cls=cls, boxes=boxes, npts=npts, pts=pts)
+    return per_file | per_row | dict(msgs=msgs, dropped=sum(dropped), fixed=sum(fixed))
 
 
 def _load_or_build(files: list, nc, prefix: str, verbose: bool) -> dict:
