@@ -257,10 +257,9 @@ def center_square(im: Image.Image) -> Image.Image:
 
 
 class ClassifyDataset(ImageFolder):
-    """An ImageFolder split (root/<class>/<image>, classes: the sorted folder names) as samples:
-    `image` uint8 (3, imgsz, imgsz) RGB (the network takes it / 255, normalised with IMAGENET_MEAN
-    and IMAGENET_STD), `targets` int64 (1, 1) [cls], `path`, `index`. augment: yolov5's recipe;
-    else the centre square, resized. Corrupt images are skipped, counted (`stats`) and named."""
+    """An ImageFolder split (root/<class>/<image>) as samples: `image` uint8 (3, imgsz, imgsz) RGB
+    (the net takes it / 255, normalised by IMAGENET_MEAN/STD), `targets` int64 (1, 1) [cls], `path`,
+    `index`. augment: yolov5's recipe, else the centre square resized. Corrupt files: skipped."""
 
     task, rect = "classify", False
 

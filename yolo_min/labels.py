@@ -1,6 +1,5 @@
 """Finding images and verifying their YOLO label files (last /images/ -> /labels/, .txt), cached.
-Bad input never crashes and is never silent: one warning per problem (file and line), then counts.
-"""
+Bad input never crashes and is never silent: one warning per problem (file and line), counts."""
 
 from __future__ import annotations
 

@@ -22,10 +22,9 @@ MAX_IMAGES, MAX_SIZE, PAD = 16, 1920, 4  # images in a grid, its longest side, t
 
 
 def draw_batch(images, targets=None, masks=None, paths=None, *, fname, names=None, preds=None):
-    """Write a grid of up to MAX_IMAGES images, uint8 (bs,3,H,W), to `fname` -> its path. Labels:
-    targets (N,6) [img_idx, cls, cx, cy, w, h] normalised, masks (bs,h,w) overlap index maps (value
-    k: the k-th target of that image); or predictions: preds per image (n,6+) [x1, y1, x2, y2, conf,
-    cls] in input pixels, masks per image (n,h,w) bool."""
+    """Write a grid of up to MAX_IMAGES images, uint8 (bs,3,H,W), to fname -> its path. Labels:
+    targets (N,6) [image, cls, cx, cy, w, h] normalised, masks (bs,h,w) overlap index maps; or
+    preds per image (n,6+) [x1, y1, x2, y2, conf, cls] input px, masks per image (n,h,w) bool."""
     bs, _, H, W = images.shape
     n, cells = min(bs, MAX_IMAGES), []
     for i in range(n):

@@ -1,7 +1,6 @@
-"""The embedded datasets, generated on first use. "shapes": 512 train / 64 val 128 px JPEGs of 1-4
-circles, rectangles and triangles (a band of hues per class) on noise, labelled with the drawn
-polygons (YOLOv5n: mAP50 > 0.9 in 30 CPU epochs). "shapes-cls": single shapes cut from such scenes.
-"""
+"""Embedded datasets, made on first use. "shapes": 512 train / 64 val 128 px JPEGs of 1-4 circles,
+rectangles and triangles (a band of hues per class) on noise, labelled with the drawn polygons
+(YOLOv5n: mAP50 > 0.9 in 30 CPU epochs). "shapes-cls": single shapes cut from such scenes."""
 
 from __future__ import annotations
 
