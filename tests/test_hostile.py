@@ -77,6 +77,7 @@ def last_pt() -> dict:
     opt = train.build_optimizer(model, 0.01, 0.9, 0.0)
     scaler, ema = torch.amp.GradScaler("cuda", enabled=False), train.ModelEMA(model)
     args = train.get_args_parser().parse_args(["--epochs", "3"])
+    train.check_args(args, "detect", 1)  # as train.py saves them: the task's defaults filled in
     hyp, rngs = train.load_hyp(""), [checkpoint.rng_state()]
     return checkpoint.training_state(model, ema, opt, scaler, 0, (0.1, 0), args, hyp, rngs)
 
