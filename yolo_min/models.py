@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 import yaml
+from torch.nn.utils import fuse_conv_bn_eval
+from torch.utils.flop_counter import FlopCounterMode
 
 CFG_DIR = Path(__file__).parent / "cfg"
 
@@ -21,9 +23,9 @@ CFG_DIR = Path(__file__).parent / "cfg"
 class Conv(nn.Module):
     """Conv2d (no bias) -> BatchNorm2d -> SiLU; `fuse()` folds the BN into the conv."""
 
-    def __init__(self, c1: int, c2: int, k: int = 1, s: int = 1, p: int | None = None, g: int = 1):
+    def __init__(self, c1: int, c2: int, k: int = 1, s: int = 1, p: int | None = None):
         super().__init__()
-        self.conv = nn.Conv2d(c1, c2, k, s, k // 2 if p is None else p, groups=g, bias=False)
+        self.conv = nn.Conv2d(c1, c2, k, s, k // 2 if p is None else p, bias=False)
         self.bn = nn.BatchNorm2d(c2)
         self.act = nn.SiLU()
 
@@ -209,9 +211,7 @@ def load_cfg(cfg: str | Path | dict) -> tuple[dict, str]:
     """A model config as a dict, and its name for error messages. Bare names resolve to cfg/."""
     if isinstance(cfg, dict):
         return deepcopy(cfg), "model cfg"
-    path = Path(cfg)
-    if not path.exists() and (CFG_DIR / path.name).exists():
-        path = CFG_DIR / path.name
+    path = Path(cfg) if Path(cfg).exists() else CFG_DIR / Path(cfg).name
     if not path.is_file():
         shipped = ", ".join(sorted(p.name for p in CFG_DIR.glob("yolov5*.yaml")))
         raise FileNotFoundError(f"model cfg '{cfg}' not found (shipped configs: {shipped})")
@@ -264,23 +264,22 @@ def parse_model(d: dict, ch: int, where: str) -> tuple[nn.Sequential, list[int]]
     symbols = {"nc": d["nc"], "anchors": d.get("anchors"), "None": None}
     layers, reused, chs = [], [], [ch]  # chs[0] is the image's
     for i, row in enumerate(d["backbone"] + d["head"]):
+        at = f"{where}: layer {i}"
         if not (isinstance(row, list) and len(row) == 4):
-            raise ValueError(
-                f"{where}: layer {i}: expected [from, repeats, module, args], got {_short(row)}"
-            )
+            raise ValueError(f"{at}: expected [from, repeats, module, args], got {_short(row)}")
         src, n, name, args = row
         if not isinstance(name, str) or name not in MODULES:
-            known = ", ".join(MODULES)
-            raise ValueError(f"{where}: layer {i}: unknown module {_short(name)} (known: {known})")
+            raise ValueError(f"{at}: unknown module {_short(name)} (known: {', '.join(MODULES)})")
         m, froms = MODULES[name], src if isinstance(src, list) else [src]
+        at += f" ({name})"
         if not froms or not all(type(j) is int and (j == -1 or 0 <= j < i) for j in froms):
-            raise ValueError(f"{where}: layer {i} ({name}): bad 'from' {_short(src)}")
+            raise ValueError(f"{at}: bad 'from' {_short(src)}")
         flat = isinstance(args, list) and all(
-            type(a) in (str, bool, type(None)) or _number(a) for a in args
+            a is None or type(a) in (str, bool) or _number(a) for a in args
         )
         if not (type(n) is int and 0 < n <= MAX_REPEATS and n * depth <= MAX_REPEATS and flat):
-            why = f"repeats {_short(n)} or args {_short(args)}"
-            raise ValueError(f"{where}: layer {i} ({name}): bad {why} (1-{MAX_REPEATS}, scalars)")
+            why = f"repeats {_short(n)} or args {_short(args)} (1-{MAX_REPEATS}, scalars)"
+            raise ValueError(f"{at}: bad {why}")
         n = max(round(n * depth), 1) if n > 1 else n
         try:
             args = [symbols.get(a, a) if isinstance(a, str) else a for a in args]
@@ -303,7 +302,7 @@ def parse_model(d: dict, ch: int, where: str) -> tuple[nn.Sequential, list[int]]
                 args.append(c_in)
             module = nn.Sequential(*(m(*args) for _ in range(n))) if n > 1 else m(*args)
         except (TypeError, ValueError, IndexError) as e:
-            raise ValueError(f"{where}: layer {i} ({name}): bad args {_short(args)}: {e}") from None
+            raise ValueError(f"{at}: bad args {_short(args)}: {e}") from None
         module.i, module.f = i, src
         layers.append(module)
         reused.extend(j % i for j in froms if j != -1)
@@ -312,12 +311,9 @@ def parse_model(d: dict, ch: int, where: str) -> tuple[nn.Sequential, list[int]]
 
 
 class Model(nn.Module):
-    """A YOLOv5 network from a cfg (a shipped config's bare name, a path or a dict).
-
-    Input: float images (bs, 3, H, W), H and W multiples of 32: in [0, 1] (detect, segment), or
-    normalised with ImageNet's mean and std (classify). Output: the head's (Detect / Segment /
-    Classify). `task` is "detect", "segment" or "classify", from the head.
-    """
+    """A YOLOv5 network from a cfg (a shipped config's bare name, a path or a dict). Input: float
+    images (bs, 3, H, W), H and W multiples of 32, in [0, 1] (classify: normalised with ImageNet's
+    mean and std); output: the head's. `task`: "detect", "segment" or "classify", from the head."""
 
     def __init__(self, cfg: str | Path | dict = "yolov5n.yaml", nc: int | None = None):
         super().__init__()
@@ -328,7 +324,7 @@ class Model(nn.Module):
         head = self.head
         if type(head) not in TASKS:
             raise ValueError(f"{where}: the last layer must be Detect, Segment or Classify")
-        self.task = TASKS[type(head)]
+        self.task, self.nc = TASKS[type(head)], head.nc
         self.names = self.yaml.get("names") or [str(i) for i in range(head.nc)]
         self.cfg_name = Path(where).stem
         if self.task != "classify":  # strides from one dummy pass; then the anchors in grid units
@@ -342,6 +338,7 @@ class Model(nn.Module):
                 b = conv.bias.data.view(head.na, -1)
                 b[:, 4] += math.log(8 / (640 / stride) ** 2)
                 b[:, 5 : 5 + head.nc] += math.log(0.6 / (head.nc - 0.99999))
+        self.stride = head.stride  # (nl,) float: [8, 16, 32] ([32]: Classify's input)
         # yolov5 builds its Classify after setting these: the head keeps torch's BN defaults
         for m in (self.model[:-1] if self.task == "classify" else self).modules():
             if isinstance(m, nn.BatchNorm2d):
@@ -351,15 +348,6 @@ class Model(nn.Module):
     def head(self) -> Detect | Classify:
         """The Detect, Segment or Classify layer."""
         return self.model[-1]
-
-    @property
-    def stride(self) -> torch.Tensor:
-        """Strides of the head's levels, float (nl,): [8, 16, 32] ([32] for Classify's input)."""
-        return self.head.stride
-
-    @property
-    def nc(self) -> int:
-        return self.head.nc
 
     def forward(self, x: torch.Tensor):
         outputs = []
@@ -375,38 +363,21 @@ class Model(nn.Module):
         return x
 
     def fuse(self) -> Model:
-        """Fold every BatchNorm into its conv (inference only); outputs are unchanged to ~1e-5."""
+        """Fold every BatchNorm into its conv (eval mode, for inference); outputs equal to ~1e-5."""
         for m in self.modules():
             if isinstance(m, Conv) and isinstance(m.bn, nn.BatchNorm2d):
-                m.conv, m.bn = fuse_conv_bn(m.conv, m.bn), nn.Identity()
+                m.conv, m.bn = fuse_conv_bn_eval(m.conv, m.bn), nn.Identity()
         return self
 
     def info(self, imgsz: int = 640) -> str:
         """One summary line: layers, parameters, gradients and GFLOPs at imgsz (2 x MACs)."""
-        from torch.utils.flop_counter import FlopCounterMode
-
         n_p = sum(p.numel() for p in self.parameters())
         n_g = sum(p.numel() for p in self.parameters() if p.requires_grad)
-        p = next(self.parameters())
         with torch.no_grad(), FlopCounterMode(display=False) as counter:
-            deepcopy(self).eval()(torch.zeros(1, 3, imgsz, imgsz).to(p))
-        flops = counter.get_total_flops() / 1e9
-        layers = len(list(self.modules()))
-        return (
-            f"{self.cfg_name} summary: {layers} layers, {n_p:,} parameters, {n_g:,} gradients, "
-            f"{flops:.1f} GFLOPs at {imgsz}"
-        )
-
-
-@torch.no_grad()
-def fuse_conv_bn(conv: nn.Conv2d, bn: nn.BatchNorm2d) -> nn.Conv2d:
-    """A Conv2d with bias equal to bn(conv(x)) in eval mode."""
-    kw = dict(stride=conv.stride, padding=conv.padding, groups=conv.groups, bias=True)
-    fused = nn.Conv2d(conv.in_channels, conv.out_channels, conv.kernel_size, **kw)
-    scale = bn.weight / torch.sqrt(bn.running_var + bn.eps)
-    fused.weight.copy_(conv.weight * scale.view(-1, 1, 1, 1))
-    fused.bias.copy_(bn.bias - bn.running_mean * scale)
-    return fused.requires_grad_(False).to(conv.weight.device)
+            deepcopy(self).eval()(torch.zeros(1, 3, imgsz, imgsz).to(next(self.parameters())))
+        params = f"{len(list(self.modules()))} layers, {n_p:,} parameters, {n_g:,} gradients"
+        flops = f"{counter.get_total_flops() / 1e9:.1f} GFLOPs at {imgsz}"
+        return f"{self.cfg_name} summary: {params}, {flops}"
 
 
 def de_parallel(model: nn.Module) -> nn.Module:
@@ -415,10 +386,8 @@ def de_parallel(model: nn.Module) -> nn.Module:
 
 
 class ModelEMA:
-    """Exponential moving average of every float tensor of a model's state (weights, BN buffers).
-
-    decay = 0.9999 * (1 - exp(-updates / 2000)): short memory early in training, long later.
-    """
+    """Exponential moving average of every float tensor of a model's state (weights, BN buffers);
+    decay = 0.9999 * (1 - exp(-updates / 2000)): short memory early in training, long later."""
 
     def __init__(self, model: nn.Module, decay: float = 0.9999, tau: float = 2000):
         self.ema = deepcopy(de_parallel(model)).eval().requires_grad_(False)
