@@ -266,14 +266,14 @@ def _read(path: str | Path):
 def check_tree(root, max_bytes: int) -> None:
     """Refuse a cycle, nesting over MAX_DEPTH, a tensor not dense on the CPU, with a zero stride or
     more elements than its storage, tensors of over max_bytes in all (a file never expands)."""
-    seen, total = set(), 0  # each object is visited once; tensors are named by non-`_` keys
-
-    def visit(obj, name: str, above: tuple) -> None:
-        nonlocal total
+    # each object is visited once; tensors are named by the keys above them but `_` ones
+    seen, total, todo = set(), 0, [(root, "", ())]  # (object, its name, ids of those above it)
+    while todo:
+        obj, name, above = todo.pop()
         if id(obj) in above or len(above) > MAX_DEPTH:
             raise CheckpointError(f"'{name}' contains itself or is nested over {MAX_DEPTH} deep")
         if id(obj) in seen or not isinstance(obj, (torch.Tensor, dict, list, tuple, set)):
-            return
+            continue
         seen.add(id(obj))
         if isinstance(obj, torch.Tensor):
             dense = obj.layout == torch.strided and obj.device.type == "cpu"  # else: stores none
@@ -282,12 +282,10 @@ def check_tree(root, max_bytes: int) -> None:
             if n > stored or zero:
                 raise CheckpointError(f"tensor '{name}' declares {n} elements but stores {stored}")
             total += n * obj.element_size()
-            return
+            continue
         for k, v in obj.items() if isinstance(obj, dict) else enumerate(obj):
             key = name if str(k).startswith("_") else f"{name}.{str(k)[:40]}".lstrip(".")
-            visit(v, key, (*above, id(obj)))
-
-    visit(root, "", ())
+            todo.append((v, key, (*above, id(obj))))
     if total > max_bytes:
         raise CheckpointError(f"its tensors hold {total} bytes, more than the file's {max_bytes}")
 
