@@ -1,8 +1,5 @@
-"""YOLOv5 detection, segmentation and classification networks, built from yolov5-style yaml configs.
-
-Parameter and buffer names equal yolov5's, so a yolov5 state_dict loads with strict=True.
-Also holds `ModelEMA`, the moving average of the weights that training validates and saves.
-"""
+"""YOLOv5 detection, segmentation and classification networks from yolov5's yaml configs (names
+equal yolov5's: its state_dicts load with strict=True), and `ModelEMA`, the weights' moving mean."""
 
 from __future__ import annotations
 
@@ -26,7 +23,7 @@ class Conv(nn.Module):
     def __init__(self, c1: int, c2: int, k: int = 1, s: int = 1, p: int | None = None):
         super().__init__()
         self.conv = nn.Conv2d(c1, c2, k, s, k // 2 if p is None else p, bias=False)
-        self.bn = nn.BatchNorm2d(c2)
+        self.bn = nn.BatchNorm2d(c2, eps=1e-3, momentum=0.03)
         self.act = nn.SiLU()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -79,14 +76,10 @@ class SPPF(nn.Module):
 
 
 class Concat(nn.Module):
-    """Concatenate a list of maps along the channels."""
-
-    def __init__(self, dimension: int = 1):
-        super().__init__()
-        self.d = dimension
+    """Concatenate a list of maps along the channels (the config's argument: dimension 1)."""
 
     def forward(self, x: list[torch.Tensor]) -> torch.Tensor:
-        return torch.cat(x, self.d)
+        return torch.cat(x, 1)
 
 
 class Proto(nn.Module):
@@ -106,17 +99,14 @@ class Proto(nn.Module):
 def float32(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """module(x) in float32, also under autocast (--amp): the head's outputs, logits of boxes,
     objectness and classes, lose ~0.07 mAP50 in bfloat16 (shapes, 30 epochs: 0.886 vs 0.958)."""
-    with torch.autocast(x.device.type, enabled=False):
+    with torch.autocast("cuda" if x.is_cuda else "cpu", enabled=False):  # also on meta
         return module(x.float())
 
 
 class Detect(nn.Module):
-    """One 1x1 conv per level to na * (5 + nc + nm) channels.
-
-    train: nl raw maps (bs, na, ny, nx, no), channels [tx, ty, tw, th, obj, cls..., coefs...].
-    eval: (bs, N, no) decoded: xywh in input pixels, obj and class probabilities, raw mask coefs.
-    `anchors` (nl, na, 2) is in grid units (pixels / stride).
-    """
+    """One 1x1 conv per level to na * (5 + nc + nm) channels; `anchors` (nl, na, 2) in grid units.
+    train: nl raw maps (bs, na, ny, nx, no), channels [tx, ty, tw, th, obj, cls..., coefs...];
+    eval: (bs, N, no) decoded: xywh in input pixels, obj and class probabilities, raw mask coefs."""
 
     def __init__(self, nc: int = 80, anchors: list = (), ch: list = (), nm: int = 0):
         super().__init__()
@@ -134,9 +124,7 @@ class Detect(nn.Module):
             raw.append(x.permute(0, 1, 3, 4, 2).contiguous())
         if self.training:
             return raw
-        return torch.cat(
-            [self._decode(x, i).view(len(x), -1, self.no) for i, x in enumerate(raw)], 1
-        )
+        return torch.cat([self._decode(x, i) for i, x in enumerate(raw)], 1)
 
     def _decode(self, x: torch.Tensor, i: int) -> torch.Tensor:
         _, _, ny, nx, _ = x.shape
@@ -146,14 +134,12 @@ class Detect(nn.Module):
         xy, wh, conf, coefs = x.split((2, 2, self.nc + 1, self.nm), 4)
         xy = (xy.sigmoid() * 2 + grid) * self.stride[i]
         wh = (wh.sigmoid() * 2) ** 2 * anchor_px
-        return torch.cat((xy, wh, conf.sigmoid(), coefs), 4)
+        return torch.cat((xy, wh, conf.sigmoid(), coefs), 4).view(len(x), -1, self.no)
 
 
 class Segment(Detect):
-    """Detect plus mask coefficients and a Proto branch on the P3 features.
-
-    train: (raw maps, protos (bs, nm, H/4, W/4)); eval: (decoded (bs, N, 5+nc+nm), protos).
-    """
+    """Detect plus mask coefficients and a Proto branch on the P3 features: in train mode
+    (raw maps, protos (bs, nm, H/4, W/4)), in eval mode (decoded (bs, N, 5+nc+nm), protos)."""
 
     def __init__(self, nc=80, anchors=(), nm: int = 32, npr: int = 256, ch: list = ()):
         super().__init__(nc, anchors, ch, nm=nm)
@@ -173,6 +159,7 @@ class Classify(nn.Module):
         super().__init__()
         self.nc = nc
         self.conv = Conv(c1, 1280)  # EfficientNet-B0's head width
+        self.conv.bn.eps, self.conv.bn.momentum = 1e-5, 0.1  # torch's: as yolov5's Classify keeps
         self.pool = nn.AdaptiveAvgPool2d(1)
         self.drop = nn.Dropout(dropout, inplace=True)
         self.linear = nn.Linear(1280, nc)
@@ -188,11 +175,8 @@ TASKS = {Detect: "detect", Segment: "segment", Classify: "classify"}  # from the
 
 
 def amp_dtype(device: torch.device, mode: str = "auto") -> torch.dtype | None:
-    """The autocast dtype of --amp {auto,on,off} on device; None: float32 (today's exact run).
-
-    auto: float16 on CUDA, bfloat16 on a CPU with native bf16 (AVX512-BF16, AMX, Arm BF16), else
-    None; on: the same, bfloat16 also where the CPU emulates it (slowly); off: None.
-    """
+    """The autocast dtype of --amp {auto,on,off} on device, None: float32. auto: float16 on CUDA,
+    bfloat16 on a CPU with native bf16 (AVX512-BF16, AMX, Arm BF16); on: also if emulated."""
     if mode == "off" or device.type not in ("cuda", "cpu"):
         return None
     if device.type == "cuda":
@@ -274,9 +258,8 @@ def parse_model(d: dict, ch: int, where: str) -> tuple[nn.Sequential, list[int]]
         at += f" ({name})"
         if not froms or not all(type(j) is int and (j == -1 or 0 <= j < i) for j in froms):
             raise ValueError(f"{at}: bad 'from' {_short(src)}")
-        flat = isinstance(args, list) and all(
-            a is None or type(a) in (str, bool) or _number(a) for a in args
-        )
+        flat = isinstance(args, list)
+        flat = flat and all(a is None or type(a) in (str, bool) or _number(a) for a in args)
         if not (type(n) is int and 0 < n <= MAX_REPEATS and n * depth <= MAX_REPEATS and flat):
             why = f"repeats {_short(n)} or args {_short(args)} (1-{MAX_REPEATS}, scalars)"
             raise ValueError(f"{at}: bad {why}")
@@ -291,7 +274,7 @@ def parse_model(d: dict, ch: int, where: str) -> tuple[nn.Sequential, list[int]]
                 if m is C3:
                     args, n = [*args[:2], n, *args[2:]], 1
             elif m is Concat:
-                c_out = sum(c_in)
+                c_out, args = sum(c_in), []
             elif m is Classify:
                 args = [c_in[0], *args]
             elif m in (Detect, Segment):
@@ -339,10 +322,6 @@ class Model(nn.Module):
                 b[:, 4] += math.log(8 / (640 / stride) ** 2)
                 b[:, 5 : 5 + head.nc] += math.log(0.6 / (head.nc - 0.99999))
         self.stride = head.stride  # (nl,) float: [8, 16, 32] ([32]: Classify's input)
-        # yolov5 builds its Classify after setting these: the head keeps torch's BN defaults
-        for m in (self.model[:-1] if self.task == "classify" else self).modules():
-            if isinstance(m, nn.BatchNorm2d):
-                m.eps, m.momentum = 1e-3, 0.03
 
     @property
     def head(self) -> Detect | Classify:
@@ -352,12 +331,10 @@ class Model(nn.Module):
     def forward(self, x: torch.Tensor):
         outputs = []
         for m in self.model:
-            if m.f != -1:
-                x = (
-                    outputs[m.f]
-                    if isinstance(m.f, int)
-                    else [x if j == -1 else outputs[j] for j in m.f]
-                )
+            if isinstance(m.f, list):
+                x = [x if j == -1 else outputs[j] for j in m.f]
+            elif m.f != -1:
+                x = outputs[m.f]
             x = m(x)
             outputs.append(x if m.i in self.reused else None)
         return x
@@ -370,14 +347,12 @@ class Model(nn.Module):
         return self
 
     def info(self, imgsz: int = 640) -> str:
-        """One summary line: layers, parameters, gradients and GFLOPs at imgsz (2 x MACs)."""
-        n_p = sum(p.numel() for p in self.parameters())
-        n_g = sum(p.numel() for p in self.parameters() if p.requires_grad)
+        """One summary line: layers, parameters and GFLOPs at imgsz (2 x MACs)."""
+        params = sum(p.numel() for p in self.parameters())
         with torch.no_grad(), FlopCounterMode(display=False) as counter:
             deepcopy(self).eval()(torch.zeros(1, 3, imgsz, imgsz).to(next(self.parameters())))
-        params = f"{len(list(self.modules()))} layers, {n_p:,} parameters, {n_g:,} gradients"
-        flops = f"{counter.get_total_flops() / 1e9:.1f} GFLOPs at {imgsz}"
-        return f"{self.cfg_name} summary: {params}, {flops}"
+        flops = f"{params:,} parameters, {counter.get_total_flops() / 1e9:.1f} GFLOPs at {imgsz}"
+        return f"{self.cfg_name} summary: {len(list(self.modules()))} layers, {flops}"
 
 
 def de_parallel(model: nn.Module) -> nn.Module:
