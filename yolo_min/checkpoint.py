@@ -318,8 +318,8 @@ def check_tuples(pkl: bytes) -> None:
 # its Segment's getattr(Detect, "forward")). The only real globals a file may name are these, by
 # exact name (torch.load itself turns the storage classes it knows into inert dtype records).
 RECORD_MODULES = ("models.", "torch.nn.modules.")
-SAFE_GLOBALS = {"torch.Size", "torch._utils._rebuild_tensor_v2", "torch._utils._rebuild_parameter"}
-SAFE_GLOBALS |= {"collections.OrderedDict", "builtins.set"}
+SAFE_GLOBALS = {("torch", "Size"), ("collections", "OrderedDict"), ("builtins", "set")}
+SAFE_GLOBALS |= {("torch._utils", "_rebuild_tensor_v2"), ("torch._utils", "_rebuild_parameter")}
 
 
 class _Record(dict):
@@ -332,18 +332,15 @@ class _Record(dict):
         self.update(state if isinstance(state, dict) else {})
 
 
-class _Unpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str):
-        module = "builtins" if module == "__builtin__" else module  # pickle protocol 2's name
-        if module.startswith(RECORD_MODULES) or f"{module}.{name}" == "builtins.getattr":
-            return type(name, (_Record,), {})
-        if f"{module}.{name}" in SAFE_GLOBALS and "." not in name:
-            return super().find_class(module, name)
-        raise CheckpointError(f"refusing '{module}.{name}': not a yolov5 or tensor type")
-
-
 class _Pickle:  # the pickle_module torch.load takes (for zip files: its Unpickler only)
-    Unpickler = _Unpickler
+    class Unpickler(pickle.Unpickler):
+        def find_class(self, module: str, name: str):
+            module = "builtins" if module == "__builtin__" else module  # pickle protocol 2's name
+            if module.startswith(RECORD_MODULES) or (module, name) == ("builtins", "getattr"):
+                return type(name, (_Record,), {})
+            if (module, name) in SAFE_GLOBALS:
+                return super().find_class(module, name)
+            raise CheckpointError(f"refusing '{module}.{name}': not a yolov5 or tensor type")
 
 
 def _record_state_dict(root: _Record) -> dict[str, torch.Tensor]:
