@@ -310,11 +310,10 @@ class Model(nn.Module):
         self.names = self.yaml.get("names") or [str(i) for i in range(head.nc)]
         self.cfg_name = Path(where).stem
         if self.task != "classify":  # strides from one dummy pass; then the anchors in grid units
-            s = 256
             with torch.no_grad():
-                out = self.forward(torch.zeros(1, 3, s, s))
+                out = self.forward(torch.zeros(1, 3, 256, 256))
             maps = out[0] if self.task == "segment" else out
-            head.stride = torch.tensor([s / x.shape[-3] for x in maps], device="cpu")  # also meta
+            head.stride = torch.tensor([256 / x.shape[-3] for x in maps], device="cpu")  # also meta
             head.anchors /= head.stride.view(-1, 1, 1)
             for conv, stride in zip(head.m, head.stride):  # priors: ~8 objects per 640 px, 0.6/nc
                 b = conv.bias.data.view(head.na, -1)
