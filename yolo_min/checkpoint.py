@@ -1,5 +1,5 @@
 """Checkpoints and run folders: what a training run saves, the atomic write, and hardened loading
-of yolo_min's checkpoints and yolov5's (whose pickled modules become inert records)."""
+(yolo_min's plain-data checkpoints: weights_only=True; yolov5's pickled modules: inert records)."""
 
 from __future__ import annotations
 
@@ -50,8 +50,9 @@ def find_run_dir(project: str | Path, run_id: str | None) -> Path | None:
 def make_run_dir(args, hyp: dict, run_id: str | None, need_bytes: int) -> Path:
     """Make the run folder (a resumed or restarted run's own) with weights/, args.yaml and hyp.yaml;
     fail early if it is unwritable or its disk has less than need_bytes free."""
-    own = find_run_dir(args.project, run_id) or args.resume and Path(args.resume).parent.parent
-    path = own or next_run_dir(args.project, args.name, args.exist_ok)  # own: its last.pt's run
+    path = Path(args.resume).parent.parent if args.resume else None  # the folder of its last.pt
+    path = find_run_dir(args.project, run_id) or path
+    path = path or next_run_dir(args.project, args.name, args.exist_ok)
     free = shutil.disk_usage(next(p for p in (path, *path.parents) if p.exists())).free
     if free < need_bytes:
         need = f"checkpoints need about {need_bytes / 1e6:.0f} MB"
@@ -102,7 +103,8 @@ def set_rng_state(state: dict) -> None:
 
 
 def training_state(model, ema, optimizer, scaler, epoch, best, args, hyp, rngs) -> dict:
-    """All a run needs to continue; epoch: the last finished (0-based), best: (fitness, epoch)."""
+    """Everything a run needs to continue: model (config, names, weights, EMA), optimizer, scaler,
+    last finished epoch (0-based), best (fitness, epoch), arguments, recipe, every rank's RNGs."""
     state = {"model_cfg": model.yaml, "names": list(model.names), "task": model.task}
     state |= {"model": model.state_dict(), "ema": ema.ema.state_dict(), "ema_updates": ema.updates}
     state |= {"optimizer": optimizer.state_dict(), "scaler": scaler.state_dict()}
@@ -237,7 +239,7 @@ def _one_line_errors(prefix: str):
 
 def _read(path: str | Path):
     """The file's object, read once: a zip of stored members (none inflates) whose pickles pass
-    `check_tuples`, unpickled by `_Pickle` (data, tensors, inert records), passing `check_tree`."""
+    `check_tuples`, loaded with weights_only=True (else by `_Unpickler`), passing `check_tree`."""
     try:
         data = Path(path).read_bytes()
     except OSError as e:
@@ -253,7 +255,10 @@ def _read(path: str | Path):
     with _one_line_errors(f"{path}: "):
         for m in (m for m in members if m.filename.endswith("data.pkl")):
             check_tuples(archive.read(m))
-        obj = torch.load(io.BytesIO(data), map_location="cpu", pickle_module=_Pickle)
+        try:
+            obj = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError:  # not plain data: a yolov5 file, or a refused one
+            obj = torch.load(io.BytesIO(data), map_location="cpu", pickle_module=_Pickle)
         check_tree(obj, len(data))
     return obj
 
