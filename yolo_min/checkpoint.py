@@ -50,9 +50,8 @@ def find_run_dir(project: str | Path, run_id: str | None) -> Path | None:
 def make_run_dir(args, hyp: dict, run_id: str | None, need_bytes: int) -> Path:
     """Make the run folder (a resumed or restarted run's own) with weights/, args.yaml and hyp.yaml;
     fail early if it is unwritable or its disk has less than need_bytes free."""
-    path = Path(args.resume).parent.parent if args.resume else None  # the folder of its last.pt
-    path = find_run_dir(args.project, run_id) or path
-    path = path or next_run_dir(args.project, args.name, args.exist_ok)
+    own = find_run_dir(args.project, run_id) or args.resume and Path(args.resume).parent.parent
+    path = own or next_run_dir(args.project, args.name, args.exist_ok)  # own: its last.pt's run
     free = shutil.disk_usage(next(p for p in (path, *path.parents) if p.exists())).free
     if free < need_bytes:
         need = f"checkpoints need about {need_bytes / 1e6:.0f} MB"
@@ -103,8 +102,7 @@ def set_rng_state(state: dict) -> None:
 
 
 def training_state(model, ema, optimizer, scaler, epoch, best, args, hyp, rngs) -> dict:
-    """Everything a run needs to continue: model (config, names, weights, EMA), optimizer, scaler,
-    last finished epoch (0-based), best (fitness, epoch), arguments, recipe, every rank's RNGs."""
+    """All a run needs to continue; epoch: the last finished (0-based), best: (fitness, epoch)."""
     state = {"model_cfg": model.yaml, "names": list(model.names), "task": model.task}
     state |= {"model": model.state_dict(), "ema": ema.ema.state_dict(), "ema_updates": ema.updates}
     state |= {"optimizer": optimizer.state_dict(), "scaler": scaler.state_dict()}
@@ -239,7 +237,7 @@ def _one_line_errors(prefix: str):
 
 def _read(path: str | Path):
     """The file's object, read once: a zip of stored members (none inflates) whose pickles pass
-    `check_tuples`, loaded with weights_only=True (else by `_Unpickler`), passing `check_tree`."""
+    `check_tuples`, loaded with weights_only=True (else by `_Pickle`), passing `check_tree`."""
     try:
         data = Path(path).read_bytes()
     except OSError as e:

@@ -231,8 +231,7 @@ def _short(x) -> str:
 
 
 def check_cfg(d, where: str) -> None:
-    """ValueError unless d is a model config of sane size (CFG_CHECKS): the keys above with values
-    of their types, nc in [1, MAX_NUMBER], multiples in (0, 4], 1-8 rows of anchors."""
+    """ValueError unless d is a model config of sane size: known keys, values passing CFG_CHECKS."""
     if missing := [k for k in list(CFG_CHECKS)[:5] if not isinstance(d, dict) or k not in d]:
         raise ValueError(f"{where}: missing key '{missing[0]}'")
     if bad := [k for k in d if k not in CFG_CHECKS or not CFG_CHECKS[k](d[k])]:
@@ -323,8 +322,7 @@ class Model(nn.Module):
         self.stride = head.stride  # (nl,) float: [8, 16, 32] ([32]: Classify's input)
 
     @property
-    def head(self) -> Detect | Classify:
-        """The Detect, Segment or Classify layer."""
+    def head(self) -> Detect | Classify:  # or Segment
         return self.model[-1]
 
     def forward(self, x: torch.Tensor):
