@@ -1,9 +1,5 @@
-"""Checkpoints and run folders: what a training run saves, the atomic write, and loading.
-
-A yolo_min checkpoint is plain data (state dicts, numbers, strings; `training_state` lists the keys)
-and loads with torch.load(weights_only=True). A yolov5 `.pt` pickles whole modules: `load_model`
-reads it with a restricted unpickler that rebuilds known class names as records, running no code.
-"""
+"""Checkpoints and run folders: what a training run saves, the atomic write, and hardened loading
+(yolo_min's plain-data checkpoints: weights_only=True; yolov5's pickled modules: inert records)."""
 
 from __future__ import annotations
 
@@ -54,9 +50,8 @@ def find_run_dir(project: str | Path, run_id: str | None) -> Path | None:
 def make_run_dir(args, hyp: dict, run_id: str | None, need_bytes: int) -> Path:
     """Make the run folder (a resumed or restarted run's own) with weights/, args.yaml and hyp.yaml;
     fail early if it is unwritable or its disk has less than need_bytes free."""
-    path = next_run_dir(args.project, args.name, args.exist_ok)
-    path = Path(args.resume).parent.parent if args.resume else path
-    path = find_run_dir(args.project, run_id) or path
+    own = find_run_dir(args.project, run_id) or args.resume and Path(args.resume).parent.parent
+    path = own or next_run_dir(args.project, args.name, args.exist_ok)  # own: its last.pt's run
     free = shutil.disk_usage(next(p for p in (path, *path.parents) if p.exists())).free
     if free < need_bytes:
         need = f"checkpoints need about {need_bytes / 1e6:.0f} MB"
@@ -76,8 +71,7 @@ def find_resume(args, run_id: str | None) -> tuple[str, dict] | None:
     or after a torchrun restart this run's own last.pt. None: a new run."""
     own = find_run_dir(args.project, run_id)
     if args.resume is True:
-        runs = Path(args.project).glob("*/weights/last.pt")
-        path = max(runs, key=os.path.getmtime, default=None)
+        path = max(Path(args.project).glob("*/weights/last.pt"), key=os.path.getmtime, default=None)
         if path is None:
             raise ValueError(f"--resume: no run with a weights/last.pt under {args.project}")
     elif args.resume:
@@ -108,9 +102,7 @@ def set_rng_state(state: dict) -> None:
 
 
 def training_state(model, ema, optimizer, scaler, epoch, best, args, hyp, rngs) -> dict:
-    """Everything a run needs to continue: the model (its config, names, weights and EMA), the
-    optimizer and AMP scaler, the last finished epoch (0-based), best (fitness, epoch), the
-    arguments and recipe, and every rank's random states."""
+    """All a run needs to continue; epoch: the last finished (0-based), best: (fitness, epoch)."""
     state = {"model_cfg": model.yaml, "names": list(model.names), "task": model.task}
     state |= {"model": model.state_dict(), "ema": ema.ema.state_dict(), "ema_updates": ema.updates}
     state |= {"optimizer": optimizer.state_dict(), "scaler": scaler.state_dict()}
@@ -122,7 +114,7 @@ def training_state(model, ema, optimizer, scaler, epoch, best, args, hyp, rngs) 
 def restore(ckpt: dict, model, ema, optimizer, scaler, rank: int, world_size: int) -> bool:
     """Load what `training_state` saved into fresh training objects and this rank's random states:
     False if the saved world size differs (not restored), CheckpointError if it does not fit."""
-    try:
+    with _one_line_errors("cannot restore its training state: "):
         model.load_state_dict(ckpt["model"])
         ema.ema.load_state_dict(ckpt["ema"])
         ema.updates = ckpt["ema_updates"]
@@ -137,44 +129,29 @@ def restore(ckpt: dict, model, ema, optimizer, scaler, rank: int, world_size: in
         if ckpt["rng"]["world_size"] != world_size:
             return False
         set_rng_state(ckpt["rng"]["ranks"][rank])
-    except Exception as e:
-        raise CheckpointError(f"cannot restore its training state: {_why(e)}") from None
     return True
 
 
 def save(state: dict, path: str | Path) -> None:
     """torch.save to path.tmp, fsync, rename over path: a crash, kill or full disk at any moment
-    leaves the previous file whole. A stop signal during the write takes effect once it is done
-    (a KeyboardInterrupt inside torch.save would break its zip writer)."""
+    leaves the previous file whole; SIGINT and SIGTERM take effect once the write is done."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    with _signals_held():
-        try:
-            with open(tmp, "wb") as f:
-                torch.save(state, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException as e:
-            tmp.unlink(missing_ok=True)
-            if isinstance(e, OSError):
-                raise SaveError(f"cannot write {path} ({e}); the previous one is intact") from None
-            raise
-
-
-@contextlib.contextmanager
-def _signals_held():
-    """Hold SIGINT and SIGTERM until the block ends, then raise them (main thread only)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    held = []
-    signals = (signal.SIGINT, signal.SIGTERM)
-    old = [(s, signal.signal(s, lambda signum, _: held.append(signum))) for s in signals]
+    # a KeyboardInterrupt inside torch.save would break its zip writer: hold it (main thread only)
+    main = threading.current_thread() is threading.main_thread()
+    held, signals = [], (signal.SIGINT, signal.SIGTERM) if main else ()
+    old = {s: signal.signal(s, lambda signum, _: held.append(signum)) for s in signals}
     try:
-        yield
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        raise SaveError(f"cannot write {path} ({e}); the previous one is intact") from None
     finally:
-        for s, handler in old:
+        tmp.unlink(missing_ok=True)  # what a failed write left
+        for s, handler in old.items():
             signal.signal(s, signal.SIG_DFL if handler is None else handler)
         for s in held:
             signal.raise_signal(s)
@@ -191,17 +168,15 @@ RESUME_TYPES |= dict(epoch=int, best_epoch=int, ema_updates=int, best_fitness=(i
 def load(path: str | Path) -> dict:
     """A yolo_min training checkpoint for --resume, checked as `training_state` saves it."""
     ckpt = _read(path)
-    if not isinstance(ckpt, dict) or "optimizer" not in ckpt or "hyp" not in ckpt:
-        raise CheckpointError(f"{path}: not a yolo_min training checkpoint (or too old to resume)")
-    try:
+    with _one_line_errors(f"{path}: "):
+        if not isinstance(ckpt, dict) or "optimizer" not in ckpt or "hyp" not in ckpt:
+            raise CheckpointError("not a yolo_min training checkpoint (or too old to resume)")
         ok = all(isinstance(ckpt[k], t) for k, t in RESUME_TYPES.items())
         ok = ok and min(ckpt["epoch"], ckpt["best_epoch"], ckpt["ema_updates"]) >= 0
         ok = ok and all(type(v) in (int, float) for v in ckpt["scaler"].values())
         if not ok or not 0 < len(ckpt["rng"]["ranks"]) == ckpt["rng"]["world_size"]:
             raise CheckpointError("its values are not of the types and ranges train.py saves")
         fitting_model(ckpt["model_cfg"], ckpt["model"])
-    except Exception as e:
-        raise CheckpointError(f"{path}: {_why(e)}") from None
     return ckpt
 
 
@@ -209,10 +184,10 @@ def load_model(path: str | Path, device: str | torch.device = "cpu") -> Model:
     """A float32 eval-mode Model from a yolo_min checkpoint or a yolov5 `.pt` (EMA preferred), given
     memory once its config fits the file's tensors (`fitting_model`). Problems: CheckpointError."""
     ckpt = _read(path)
-    try:
+    with _one_line_errors(f"{path}: "):
         weights = ckpt.get("ema") or ckpt.get("model") if isinstance(ckpt, dict) else None
         if isinstance(weights, _Record):  # yolov5: a pickled module tree
-            cfg, names = weights.__dict__.get("yaml"), weights.__dict__.get("names")
+            cfg, names = weights.get("yaml"), weights.get("names")
             kind, weights = type(weights).__name__, _record_state_dict(weights)
             cfg = _classifier_cfg(weights) if kind == "ClassificationModel" else cfg
         elif isinstance(weights, dict):
@@ -225,8 +200,6 @@ def load_model(path: str | Path, device: str | torch.device = "cpu") -> Model:
         if not isinstance(names, list) or [type(n) for n in names] != [str] * model.nc:
             raise CheckpointError(f"its names are not {model.nc} class names")
         model.names = names  # yolov5 classifiers pickle none: "0", "1", ...
-    except Exception as e:  # whatever a crafted file leads to: one line
-        raise CheckpointError(f"{path}: {_why(e)}") from None
     return model.eval()
 
 
@@ -251,10 +224,20 @@ def _classifier_cfg(state: dict) -> dict:
     return load_cfg("yolov5n-cls.yaml")[0] | dict(nc=nc, depth_multiple=depth, width_multiple=width)
 
 
+@contextlib.contextmanager
+def _one_line_errors(prefix: str):
+    """Any exception in the block as a CheckpointError: prefix, then one short line."""
+    try:
+        yield
+    except Exception as e:  # whatever a crafted file leads to (RecursionError, MemoryError, ...)
+        first = (str(e).strip().splitlines() or [""])[0]
+        why = first if isinstance(e, ValueError) else f"{type(e).__name__}: {first}"
+        raise CheckpointError(prefix + why[:200]) from None
+
+
 def _read(path: str | Path):
-    """The file's object: torch.load with weights_only=True (yolo_min checkpoints), else through the
-    restricted unpickler (yolov5 files). The file is read once; it must be torch's zip of stored
-    members (none inflates), and its objects pass `check_tree`. Any problem: CheckpointError."""
+    """The file's object, read once: a zip of stored members (none inflates) whose pickles pass
+    `check_tuples`, loaded with weights_only=True (else by `_Pickle`), passing `check_tree`."""
     try:
         data = Path(path).read_bytes()
     except OSError as e:
@@ -267,32 +250,28 @@ def _read(path: str | Path):
     stored = all(m.compress_type == zipfile.ZIP_STORED for m in members)
     if not members or not stored or sum(m.file_size for m in members) > len(data):
         raise CheckpointError(f"{path}: not a PyTorch checkpoint (a zip of stored files)")
-    try:
+    with _one_line_errors(f"{path}: "):
         for m in (m for m in members if m.filename.endswith("data.pkl")):
             check_tuples(archive.read(m))
         try:
             obj = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         except pickle.UnpicklingError:  # not plain data: a yolov5 file, or a refused one
-            kw = dict(weights_only=False, pickle_module=_Pickle)
-            obj = torch.load(io.BytesIO(data), map_location="cpu", **kw)
+            obj = torch.load(io.BytesIO(data), map_location="cpu", pickle_module=_Pickle)
         check_tree(obj, len(data))
-    except Exception as e:  # whatever a crafted file leads to (RecursionError, MemoryError, ...)
-        raise CheckpointError(f"{path}: {_why(e)}") from None
     return obj
 
 
 def check_tree(root, max_bytes: int) -> None:
-    """Refuse, visiting each object once: a cycle, nesting over MAX_DEPTH, a tensor not dense on the
-    CPU, with a zero stride or more elements than its storage holds, tensors of over max_bytes in
-    all (a weights file never expands). Tensors are named by the keys above them but `_` ones."""
-    seen, total = set(), 0
-
-    def visit(obj, name: str, above: tuple) -> None:
-        nonlocal total
+    """Refuse a cycle, nesting over MAX_DEPTH, a tensor not dense on the CPU, with a zero stride or
+    more elements than its storage, tensors of over max_bytes in all (a file never expands)."""
+    # each object is visited once; tensors are named by the keys above them but `_` ones
+    seen, total, todo = set(), 0, [(root, "", ())]  # (object, its name, ids of those above it)
+    while todo:
+        obj, name, above = todo.pop()
         if id(obj) in above or len(above) > MAX_DEPTH:
             raise CheckpointError(f"'{name}' contains itself or is nested over {MAX_DEPTH} deep")
-        if id(obj) in seen or not isinstance(obj, (torch.Tensor, dict, list, tuple, set, _Record)):
-            return
+        if id(obj) in seen or not isinstance(obj, (torch.Tensor, dict, list, tuple, set)):
+            continue
         seen.add(id(obj))
         if isinstance(obj, torch.Tensor):
             dense = obj.layout == torch.strided and obj.device.type == "cpu"  # else: stores none
@@ -301,111 +280,78 @@ def check_tree(root, max_bytes: int) -> None:
             if n > stored or zero:
                 raise CheckpointError(f"tensor '{name}' declares {n} elements but stores {stored}")
             total += n * obj.element_size()
-            return
-        items = vars(obj) if isinstance(obj, _Record) else obj
-        for k, v in items.items() if isinstance(items, dict) else enumerate(items):
+            continue
+        for k, v in obj.items() if isinstance(obj, dict) else enumerate(obj):
             key = name if str(k).startswith("_") else f"{name}.{str(k)[:40]}".lstrip(".")
-            visit(v, key, (*above, id(obj)))
-
-    visit(root, "", ())
+            todo.append((v, key, (*above, id(obj))))
     if total > max_bytes:
         raise CheckpointError(f"its tensors hold {total} bytes, more than the file's {max_bytes}")
 
 
 def check_tuples(pkl: bytes) -> None:
-    """Refuse a pickle pushing a tuple of over MAX_TUPLES tuples (shared ones counted each time) or
-    1000 times that in all: hashing them would hang or crash. Follows its opcodes' stack effects."""
-    stack, memo, total, mark = [], {}, 0, pickletools.markobject
+    """Refuse a pickle building a tuple of over MAX_TUPLES tuples (shared ones counted each time),
+    or 1000 times that in all: hashing such dict keys would hang or crash."""
+    # follows the opcodes' stack effects: each stack value is the number of tuples an object holds
+    stack, marks, memo, total = [], [], {}, 0
     for op, arg, _ in pickletools.genops(pkl):
-        before = op.stack_before
-        if "PUT" in op.name or op.name == "MEMOIZE":
+        takes, mark = op.stack_before, pickletools.markobject
+        if op.name in ("PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE"):
             memo[len(memo) if arg is None else arg] = stack[-1]
             continue
-        if "GET" in op.name or op.name == "DUP":
-            stack.append(stack[-1] if op.name == "DUP" else memo[arg])
-        else:  # pop the items above a mark and the mark, then those below it; push the results
-            items = []
-            while mark in before and (item := stack.pop()) is not None:
-                items.append(item)
-            items += [stack.pop() for _ in before[: before.index(mark) if mark in before else None]]
-            tuples = 1 + sum(items) if "TUPLE" in op.name else 0
-            stack += [None if x is mark else tuples for x in op.stack_after]
-        total += (top := stack[-1] or 0 if stack else 0)
+        if op.name == "MARK":
+            marks.append(len(stack))
+            continue
+        if op.name in ("GET", "BINGET", "LONG_BINGET", "DUP"):
+            stack.append(stack[-1] if arg is None else memo[arg])
+        else:  # pop what the op takes (the objects from its mark on, and below), push what it makes
+            start = marks.pop() - takes.index(mark) if mark in takes else len(stack) - len(takes)
+            tuples = 1 + sum(stack[start:]) if "TUPLE" in op.name else 0
+            stack[start:] = [tuples] * len(op.stack_after)
+        total += (top := stack[-1] if stack else 0)
         if top > MAX_TUPLES or total > 1000 * MAX_TUPLES:
             raise CheckpointError("its tuples nest too deep or too often to be hashed safely")
 
 
-def _why(e: Exception) -> str:
-    """An exception as one short line (a crafted file may put anything in a message)."""
-    first = (str(e).strip().splitlines() or [""])[0]
-    return (first if isinstance(e, ValueError) else f"{type(e).__name__}: {first}")[:200]
+# yolov5 pickles whole modules: the classes of these modules are rebuilt as inert records (as is
+# its Segment's getattr(Detect, "forward")). The only real globals a file may name are these, by
+# exact name (torch.load itself turns the storage classes it knows into inert dtype records).
+RECORD_MODULES = ("models.", "torch.nn.modules.")
+SAFE_GLOBALS = {("torch", "Size"), ("collections", "OrderedDict"), ("builtins", "set")}
+SAFE_GLOBALS |= {("torch._utils", "_rebuild_tensor_v2"), ("torch._utils", "_rebuild_parameter")}
 
 
-# yolov5 pickles whole modules: only these classes are rebuilt, as plain records
-YOLOV5_CLASSES = {
-    "models.yolo": ("DetectionModel", "SegmentationModel", "ClassificationModel", "Model")
-    + ("Detect", "Segment"),
-    "models.common": ("Conv", "Bottleneck", "C3", "SPPF", "Concat", "Proto", "Classify"),
-    "torch.nn.modules.activation": ("SiLU",),
-    "torch.nn.modules.batchnorm": ("BatchNorm2d",),
-    "torch.nn.modules.container": ("ModuleList", "Sequential"),
-    "torch.nn.modules.conv": ("Conv2d",),
-    "torch.nn.modules.dropout": ("Dropout",),
-    "torch.nn.modules.linear": ("Identity", "Linear"),
-    "torch.nn.modules.pooling": ("MaxPool2d", "AdaptiveAvgPool2d"),
-    "torch.nn.modules.upsampling": ("Upsample",),
-    "builtins": ("getattr",),  # yolov5's Segment pickles getattr(Detect, "forward"): a record
-    "__builtin__": ("getattr",),
-}
-# and these are the only real globals it may name, by exact name (torch.load itself turns the
-# storage classes it knows, FloatStorage..., into inert dtype records; other "Storage"s come here)
-SAFE_GLOBALS = {
-    "torch": ("Size",),
-    "torch._utils": ("_rebuild_tensor_v2", "_rebuild_parameter"),
-    "collections": ("OrderedDict",),
-    "builtins": ("set",),
-    "__builtin__": ("set",),  # pickle protocol 2 names builtins so
-}
-
-
-class _Record:
-    """Stands in for a pickled yolov5 module: keeps its __dict__, runs nothing."""
+class _Record(dict):
+    """Stands in for a pickled yolov5 module: a dict of its attributes; runs nothing."""
 
     def __init__(self, *args, **kwargs):
         pass
 
     def __setstate__(self, state):
-        self.__dict__.update(state if isinstance(state, dict) else {})
-
-
-class _Unpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str):
-        if name in YOLOV5_CLASSES.get(module, ()):
-            return type(name, (_Record,), {})
-        if name == "getattr" and module in ("builtins", "__builtin__"):
-            return lambda obj, attr: None  # yolov5's Segment.detect = Detect.forward: no data
-        if name in SAFE_GLOBALS.get(module, ()):
-            return super().find_class(module, name)
-        raise CheckpointError(f"refusing '{module}.{name}': not a yolov5 or tensor type")
+        self.update(state if isinstance(state, dict) else {})
 
 
 class _Pickle:  # the pickle_module torch.load takes (for zip files: its Unpickler only)
-    Unpickler = _Unpickler
+    class Unpickler(pickle.Unpickler):
+        def find_class(self, module: str, name: str):
+            module = "builtins" if module == "__builtin__" else module  # pickle protocol 2's name
+            if module.startswith(RECORD_MODULES) or (module, name) == ("builtins", "getattr"):
+                return type(name, (_Record,), {})
+            if (module, name) in SAFE_GLOBALS:
+                return super().find_class(module, name)
+            raise CheckpointError(f"refusing '{module}.{name}': not a yolov5 or tensor type")
 
 
-def _record_state_dict(rec: _Record, prefix="", seen=None) -> dict[str, torch.Tensor]:
-    """Parameters and persistent buffers of a pickled module tree (without cycles: `check_tree`),
-    with yolov5's key names. Each module is visited once (yolov5's modules share their SiLU)."""
-    seen = set() if seen is None else seen
-    if id(rec) in seen:
-        return {}
-    seen.add(id(rec))
-    d, out = rec.__dict__, {}
-    skip = d.get("_non_persistent_buffers_set", set())
-    for k, v in {**d.get("_parameters", {}), **d.get("_buffers", {})}.items():
-        if v is not None and k not in skip:
-            out[prefix + k] = v.detach()
-    for k, child in d.get("_modules", {}).items():
-        if isinstance(child, _Record):
-            out |= _record_state_dict(child, f"{prefix}{k}.", seen)
-    return out
+def _record_state_dict(root: _Record) -> dict[str, torch.Tensor]:
+    """Parameters and persistent buffers of a pickled module tree, with yolov5's key names."""
+    state, seen, todo = {}, set(), [("", root)]  # visit each module once: yolov5's share a SiLU
+    while todo:
+        prefix, rec = todo.pop()
+        if not isinstance(rec, _Record) or id(rec) in seen:
+            continue
+        seen.add(id(rec))
+        skip = rec.get("_non_persistent_buffers_set", set())
+        for k, v in {**rec.get("_parameters", {}), **rec.get("_buffers", {})}.items():
+            if v is not None and k not in skip:
+                state[prefix + k] = v.detach()
+        todo += [(f"{prefix}{k}.", child) for k, child in rec.get("_modules", {}).items()]
+    return state

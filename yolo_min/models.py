@@ -1,8 +1,5 @@
-"""YOLOv5 detection, segmentation and classification networks, built from yolov5-style yaml configs.
-
-Parameter and buffer names equal yolov5's, so a yolov5 state_dict loads with strict=True.
-Also holds `ModelEMA`, the moving average of the weights that training validates and saves.
-"""
+"""YOLOv5 detection, segmentation and classification networks from yolov5's yaml configs (names
+equal yolov5's: its state_dicts load with strict=True), and `ModelEMA`, the weights' moving mean."""
 
 from __future__ import annotations
 
@@ -14,6 +11,8 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 import yaml
+from torch.nn.utils import fuse_conv_bn_eval
+from torch.utils.flop_counter import FlopCounterMode
 
 CFG_DIR = Path(__file__).parent / "cfg"
 
@@ -21,10 +20,10 @@ CFG_DIR = Path(__file__).parent / "cfg"
 class Conv(nn.Module):
     """Conv2d (no bias) -> BatchNorm2d -> SiLU; `fuse()` folds the BN into the conv."""
 
-    def __init__(self, c1: int, c2: int, k: int = 1, s: int = 1, p: int | None = None, g: int = 1):
+    def __init__(self, c1: int, c2: int, k: int = 1, s: int = 1, p: int | None = None):
         super().__init__()
-        self.conv = nn.Conv2d(c1, c2, k, s, k // 2 if p is None else p, groups=g, bias=False)
-        self.bn = nn.BatchNorm2d(c2)
+        self.conv = nn.Conv2d(c1, c2, k, s, k // 2 if p is None else p, bias=False)
+        self.bn = nn.BatchNorm2d(c2, eps=1e-3, momentum=0.03)
         self.act = nn.SiLU()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -77,14 +76,10 @@ class SPPF(nn.Module):
 
 
 class Concat(nn.Module):
-    """Concatenate a list of maps along the channels."""
-
-    def __init__(self, dimension: int = 1):
-        super().__init__()
-        self.d = dimension
+    """Concatenate a list of maps along the channels (the config's argument: dimension 1)."""
 
     def forward(self, x: list[torch.Tensor]) -> torch.Tensor:
-        return torch.cat(x, self.d)
+        return torch.cat(x, 1)
 
 
 class Proto(nn.Module):
@@ -104,19 +99,14 @@ class Proto(nn.Module):
 def float32(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """module(x) in float32, also under autocast (--amp): the head's outputs, logits of boxes,
     objectness and classes, lose ~0.07 mAP50 in bfloat16 (shapes, 30 epochs: 0.886 vs 0.958)."""
-    if not torch.amp.is_autocast_available(x.device.type):  # meta tensors: shapes only
-        return module(x)
-    with torch.autocast(x.device.type, enabled=False):
+    with torch.autocast("cuda" if x.is_cuda else "cpu", enabled=False):  # also on meta
         return module(x.float())
 
 
 class Detect(nn.Module):
-    """One 1x1 conv per level to na * (5 + nc + nm) channels.
-
-    train: nl raw maps (bs, na, ny, nx, no), channels [tx, ty, tw, th, obj, cls..., coefs...].
-    eval: (bs, N, no) decoded: xywh in input pixels, obj and class probabilities, raw mask coefs.
-    `anchors` (nl, na, 2) is in grid units (pixels / stride).
-    """
+    """One 1x1 conv per level to na * (5 + nc + nm) channels; `anchors` (nl, na, 2) in grid units.
+    train: nl raw maps (bs, na, ny, nx, no), channels [tx, ty, tw, th, obj, cls..., coefs...];
+    eval: (bs, N, no) decoded: xywh in input pixels, obj and class probabilities, raw mask coefs."""
 
     def __init__(self, nc: int = 80, anchors: list = (), ch: list = (), nm: int = 0):
         super().__init__()
@@ -134,9 +124,7 @@ class Detect(nn.Module):
             raw.append(x.permute(0, 1, 3, 4, 2).contiguous())
         if self.training:
             return raw
-        return torch.cat(
-            [self._decode(x, i).view(len(x), -1, self.no) for i, x in enumerate(raw)], 1
-        )
+        return torch.cat([self._decode(x, i) for i, x in enumerate(raw)], 1)
 
     def _decode(self, x: torch.Tensor, i: int) -> torch.Tensor:
         _, _, ny, nx, _ = x.shape
@@ -146,14 +134,12 @@ class Detect(nn.Module):
         xy, wh, conf, coefs = x.split((2, 2, self.nc + 1, self.nm), 4)
         xy = (xy.sigmoid() * 2 + grid) * self.stride[i]
         wh = (wh.sigmoid() * 2) ** 2 * anchor_px
-        return torch.cat((xy, wh, conf.sigmoid(), coefs), 4)
+        return torch.cat((xy, wh, conf.sigmoid(), coefs), 4).view(len(x), -1, self.no)
 
 
 class Segment(Detect):
-    """Detect plus mask coefficients and a Proto branch on the P3 features.
-
-    train: (raw maps, protos (bs, nm, H/4, W/4)); eval: (decoded (bs, N, 5+nc+nm), protos).
-    """
+    """Detect plus mask coefficients and a Proto branch on the P3 features: in train mode
+    (raw maps, protos (bs, nm, H/4, W/4)), in eval mode (decoded (bs, N, 5+nc+nm), protos)."""
 
     def __init__(self, nc=80, anchors=(), nm: int = 32, npr: int = 256, ch: list = ()):
         super().__init__(nc, anchors, ch, nm=nm)
@@ -173,6 +159,7 @@ class Classify(nn.Module):
         super().__init__()
         self.nc = nc
         self.conv = Conv(c1, 1280)  # EfficientNet-B0's head width
+        self.conv.bn.eps, self.conv.bn.momentum = 1e-5, 0.1  # torch's: as yolov5's Classify keeps
         self.pool = nn.AdaptiveAvgPool2d(1)
         self.drop = nn.Dropout(dropout, inplace=True)
         self.linear = nn.Linear(1280, nc)
@@ -188,11 +175,8 @@ TASKS = {Detect: "detect", Segment: "segment", Classify: "classify"}  # from the
 
 
 def amp_dtype(device: torch.device, mode: str = "auto") -> torch.dtype | None:
-    """The autocast dtype of --amp {auto,on,off} on device; None: float32 (today's exact run).
-
-    auto: float16 on CUDA, bfloat16 on a CPU with native bf16 (AVX512-BF16, AMX, Arm BF16), else
-    None; on: the same, bfloat16 also where the CPU emulates it (slowly); off: None.
-    """
+    """The autocast dtype of --amp {auto,on,off} on device, None: float32. auto: float16 on CUDA,
+    bfloat16 on a CPU with native bf16 (AVX512-BF16, AMX, Arm BF16); on: also if emulated."""
     if mode == "off" or device.type not in ("cuda", "cpu"):
         return None
     if device.type == "cuda":
@@ -211,9 +195,7 @@ def load_cfg(cfg: str | Path | dict) -> tuple[dict, str]:
     """A model config as a dict, and its name for error messages. Bare names resolve to cfg/."""
     if isinstance(cfg, dict):
         return deepcopy(cfg), "model cfg"
-    path = Path(cfg)
-    if not path.exists() and (CFG_DIR / path.name).exists():
-        path = CFG_DIR / path.name
+    path = Path(cfg) if Path(cfg).exists() else CFG_DIR / Path(cfg).name
     if not path.is_file():
         shipped = ", ".join(sorted(p.name for p in CFG_DIR.glob("yolov5*.yaml")))
         raise FileNotFoundError(f"model cfg '{cfg}' not found (shipped configs: {shipped})")
@@ -249,8 +231,7 @@ def _short(x) -> str:
 
 
 def check_cfg(d, where: str) -> None:
-    """ValueError unless d is a model config of sane size (CFG_CHECKS): the keys above with values
-    of their types, nc in [1, MAX_NUMBER], multiples in (0, 4], 1-8 rows of anchors."""
+    """ValueError unless d is a model config of sane size: known keys, values passing CFG_CHECKS."""
     if missing := [k for k in list(CFG_CHECKS)[:5] if not isinstance(d, dict) or k not in d]:
         raise ValueError(f"{where}: missing key '{missing[0]}'")
     if bad := [k for k in d if k not in CFG_CHECKS or not CFG_CHECKS[k](d[k])]:
@@ -266,23 +247,21 @@ def parse_model(d: dict, ch: int, where: str) -> tuple[nn.Sequential, list[int]]
     symbols = {"nc": d["nc"], "anchors": d.get("anchors"), "None": None}
     layers, reused, chs = [], [], [ch]  # chs[0] is the image's
     for i, row in enumerate(d["backbone"] + d["head"]):
+        at = f"{where}: layer {i}"
         if not (isinstance(row, list) and len(row) == 4):
-            raise ValueError(
-                f"{where}: layer {i}: expected [from, repeats, module, args], got {_short(row)}"
-            )
+            raise ValueError(f"{at}: expected [from, repeats, module, args], got {_short(row)}")
         src, n, name, args = row
         if not isinstance(name, str) or name not in MODULES:
-            known = ", ".join(MODULES)
-            raise ValueError(f"{where}: layer {i}: unknown module {_short(name)} (known: {known})")
+            raise ValueError(f"{at}: unknown module {_short(name)} (known: {', '.join(MODULES)})")
         m, froms = MODULES[name], src if isinstance(src, list) else [src]
+        at += f" ({name})"
         if not froms or not all(type(j) is int and (j == -1 or 0 <= j < i) for j in froms):
-            raise ValueError(f"{where}: layer {i} ({name}): bad 'from' {_short(src)}")
-        flat = isinstance(args, list) and all(
-            type(a) in (str, bool, type(None)) or _number(a) for a in args
-        )
+            raise ValueError(f"{at}: bad 'from' {_short(src)}")
+        flat = isinstance(args, list)
+        flat = flat and all(a is None or type(a) in (str, bool) or _number(a) for a in args)
         if not (type(n) is int and 0 < n <= MAX_REPEATS and n * depth <= MAX_REPEATS and flat):
-            why = f"repeats {_short(n)} or args {_short(args)}"
-            raise ValueError(f"{where}: layer {i} ({name}): bad {why} (1-{MAX_REPEATS}, scalars)")
+            why = f"repeats {_short(n)} or args {_short(args)} (1-{MAX_REPEATS}, scalars)"
+            raise ValueError(f"{at}: bad {why}")
         n = max(round(n * depth), 1) if n > 1 else n
         try:
             args = [symbols.get(a, a) if isinstance(a, str) else a for a in args]
@@ -294,7 +273,7 @@ def parse_model(d: dict, ch: int, where: str) -> tuple[nn.Sequential, list[int]]
                 if m is C3:
                     args, n = [*args[:2], n, *args[2:]], 1
             elif m is Concat:
-                c_out = sum(c_in)
+                c_out, args = sum(c_in), []
             elif m is Classify:
                 args = [c_in[0], *args]
             elif m in (Detect, Segment):
@@ -305,7 +284,7 @@ def parse_model(d: dict, ch: int, where: str) -> tuple[nn.Sequential, list[int]]
                 args.append(c_in)
             module = nn.Sequential(*(m(*args) for _ in range(n))) if n > 1 else m(*args)
         except (TypeError, ValueError, IndexError) as e:
-            raise ValueError(f"{where}: layer {i} ({name}): bad args {_short(args)}: {e}") from None
+            raise ValueError(f"{at}: bad args {_short(args)}: {e}") from None
         module.i, module.f = i, src
         layers.append(module)
         reused.extend(j % i for j in froms if j != -1)
@@ -314,12 +293,9 @@ def parse_model(d: dict, ch: int, where: str) -> tuple[nn.Sequential, list[int]]
 
 
 class Model(nn.Module):
-    """A YOLOv5 network from a cfg (a shipped config's bare name, a path or a dict).
-
-    Input: float images (bs, 3, H, W), H and W multiples of 32: in [0, 1] (detect, segment), or
-    normalised with ImageNet's mean and std (classify). Output: the head's (Detect / Segment /
-    Classify). `task` is "detect", "segment" or "classify", from the head.
-    """
+    """A YOLOv5 network from a cfg (a shipped config's bare name, a path or a dict). Input: float
+    images (bs, 3, H, W), H and W multiples of 32, in [0, 1] (classify: normalised with ImageNet's
+    mean and std); output: the head's. `task`: "detect", "segment" or "classify", from the head."""
 
     def __init__(self, cfg: str | Path | dict = "yolov5n.yaml", nc: int | None = None):
         super().__init__()
@@ -330,85 +306,50 @@ class Model(nn.Module):
         head = self.head
         if type(head) not in TASKS:
             raise ValueError(f"{where}: the last layer must be Detect, Segment or Classify")
-        self.task = TASKS[type(head)]
+        self.task, self.nc = TASKS[type(head)], head.nc
         self.names = self.yaml.get("names") or [str(i) for i in range(head.nc)]
         self.cfg_name = Path(where).stem
         if self.task != "classify":  # strides from one dummy pass; then the anchors in grid units
-            s = 256
             with torch.no_grad():
-                out = self.forward(torch.zeros(1, 3, s, s))
+                out = self.forward(torch.zeros(1, 3, 256, 256))
             maps = out[0] if self.task == "segment" else out
-            head.stride = torch.tensor([s / x.shape[-3] for x in maps], device="cpu")  # also meta
+            head.stride = torch.tensor([256 / x.shape[-3] for x in maps], device="cpu")  # also meta
             head.anchors /= head.stride.view(-1, 1, 1)
             for conv, stride in zip(head.m, head.stride):  # priors: ~8 objects per 640 px, 0.6/nc
                 b = conv.bias.data.view(head.na, -1)
                 b[:, 4] += math.log(8 / (640 / stride) ** 2)
                 b[:, 5 : 5 + head.nc] += math.log(0.6 / (head.nc - 0.99999))
-        # yolov5 builds its Classify after setting these: the head keeps torch's BN defaults
-        for m in (self.model[:-1] if self.task == "classify" else self).modules():
-            if isinstance(m, nn.BatchNorm2d):
-                m.eps, m.momentum = 1e-3, 0.03
+        self.stride = head.stride  # (nl,) float: [8, 16, 32] ([32]: Classify's input)
 
     @property
-    def head(self) -> Detect | Classify:
-        """The Detect, Segment or Classify layer."""
+    def head(self) -> Detect | Classify:  # or Segment
         return self.model[-1]
-
-    @property
-    def stride(self) -> torch.Tensor:
-        """Strides of the head's levels, float (nl,): [8, 16, 32] ([32] for Classify's input)."""
-        return self.head.stride
-
-    @property
-    def nc(self) -> int:
-        return self.head.nc
 
     def forward(self, x: torch.Tensor):
         outputs = []
         for m in self.model:
-            if m.f != -1:
-                x = (
-                    outputs[m.f]
-                    if isinstance(m.f, int)
-                    else [x if j == -1 else outputs[j] for j in m.f]
-                )
+            if isinstance(m.f, list):
+                x = [x if j == -1 else outputs[j] for j in m.f]
+            elif m.f != -1:
+                x = outputs[m.f]
             x = m(x)
             outputs.append(x if m.i in self.reused else None)
         return x
 
     def fuse(self) -> Model:
-        """Fold every BatchNorm into its conv (inference only); outputs are unchanged to ~1e-5."""
+        """Fold every BatchNorm into its conv (eval mode, for inference); outputs equal to ~1e-5."""
         for m in self.modules():
             if isinstance(m, Conv) and isinstance(m.bn, nn.BatchNorm2d):
-                m.conv, m.bn = fuse_conv_bn(m.conv, m.bn), nn.Identity()
+                m.conv, m.bn = fuse_conv_bn_eval(m.conv, m.bn), nn.Identity()
         return self
 
     def info(self, imgsz: int = 640) -> str:
-        """One summary line: layers, parameters, gradients and GFLOPs at imgsz (2 x MACs)."""
-        from torch.utils.flop_counter import FlopCounterMode
-
-        n_p = sum(p.numel() for p in self.parameters())
-        n_g = sum(p.numel() for p in self.parameters() if p.requires_grad)
-        p = next(self.parameters())
+        """One summary line: layers, parameters and GFLOPs at imgsz (2 x MACs)."""
+        params = sum(p.numel() for p in self.parameters())
         with torch.no_grad(), FlopCounterMode(display=False) as counter:
-            deepcopy(self).eval()(torch.zeros(1, 3, imgsz, imgsz).to(p))
-        flops = counter.get_total_flops() / 1e9
-        layers = len(list(self.modules()))
-        return (
-            f"{self.cfg_name} summary: {layers} layers, {n_p:,} parameters, {n_g:,} gradients, "
-            f"{flops:.1f} GFLOPs at {imgsz}"
-        )
-
-
-@torch.no_grad()
-def fuse_conv_bn(conv: nn.Conv2d, bn: nn.BatchNorm2d) -> nn.Conv2d:
-    """A Conv2d with bias equal to bn(conv(x)) in eval mode."""
-    kw = dict(stride=conv.stride, padding=conv.padding, groups=conv.groups, bias=True)
-    fused = nn.Conv2d(conv.in_channels, conv.out_channels, conv.kernel_size, **kw)
-    scale = bn.weight / torch.sqrt(bn.running_var + bn.eps)
-    fused.weight.copy_(conv.weight * scale.view(-1, 1, 1, 1))
-    fused.bias.copy_(bn.bias - bn.running_mean * scale)
-    return fused.requires_grad_(False).to(conv.weight.device)
+            deepcopy(self).eval()(torch.zeros(1, 3, imgsz, imgsz).to(next(self.parameters())))
+        flops = f"{params:,} parameters, {counter.get_total_flops() / 1e9:.1f} GFLOPs at {imgsz}"
+        return f"{self.cfg_name} summary: {len(list(self.modules()))} layers, {flops}"
 
 
 def de_parallel(model: nn.Module) -> nn.Module:
@@ -417,10 +358,8 @@ def de_parallel(model: nn.Module) -> nn.Module:
 
 
 class ModelEMA:
-    """Exponential moving average of every float tensor of a model's state (weights, BN buffers).
-
-    decay = 0.9999 * (1 - exp(-updates / 2000)): short memory early in training, long later.
-    """
+    """Exponential moving average of every float tensor of a model's state (weights, BN buffers);
+    decay = 0.9999 * (1 - exp(-updates / 2000)): short memory early in training, long later."""
 
     def __init__(self, model: nn.Module, decay: float = 0.9999, tau: float = 2000):
         self.ema = deepcopy(de_parallel(model)).eval().requires_grad_(False)
