@@ -15,38 +15,30 @@ KINDS = {"detect": ("box",), "segment": ("box", "mask"), "classify": ("class",)}
 
 
 def match_predictions(iou: np.ndarray, conf, pred_cls, gt_cls) -> np.ndarray:
-    """COCO's greedy matching of one image: iou (n, m), conf (n,), pred_cls (n,), gt_cls (m,) ->
-    tp (n, T) bool. By descending score each detection takes the free ground truth of its class
+    """COCO's greedy matching of one image: numpy iou (n, m), conf (n,), pred_cls (n,), gt_cls (m,)
+    -> tp (n, T) bool. By descending score each detection takes the free ground truth of its class
     with the highest IoU >= t (ties: the later one, as COCOeval)."""
-    n, m = iou.shape
-    tp = np.zeros((n, len(IOU_THRESHOLDS)), dtype=bool)
-    if n == 0 or m == 0:
-        return tp
-    same_class = np.asarray(pred_cls)[:, None] == np.asarray(gt_cls)[None]
-    iou = np.where(same_class, np.asarray(iou, np.float64), -1.0)
-    order = np.argsort(-np.asarray(conf), kind="stable")
-    thr = IOU_THRESHOLDS[:, None]
-    free = np.ones((len(IOU_THRESHOLDS), m), dtype=bool)
-    rows = np.arange(len(IOU_THRESHOLDS))
-    for d in order[iou[order].max(1) >= IOU_THRESHOLDS[0]]:  # only these can match anything
+    thr, m = IOU_THRESHOLDS[:, None], iou.shape[1]
+    tp = np.zeros((len(iou), len(thr)), dtype=bool)
+    free, rows = np.ones((len(thr), m), dtype=bool), np.arange(len(thr))
+    iou = np.where(pred_cls[:, None] == gt_cls[None], iou, -1.0)
+    order = np.argsort(-conf, kind="stable")
+    for d in order[iou[order].max(1, initial=-1.0) >= thr[0]]:  # only these can match anything
         cand = np.where(free & (iou[d] >= thr), iou[d], -1.0)[:, ::-1]  # argmax: the last best
         best = cand.argmax(1)
-        hit, j = cand[rows, best] >= 0, m - 1 - best
+        hit = cand[rows, best] >= 0
         tp[d, hit] = True
-        free[rows[hit], j[hit]] = False
+        free[rows[hit], m - 1 - best[hit]] = False
     return tp
 
 
 def image_record(index: int, conf, pred_cls, gt_cls, ious: dict) -> dict:
     """What AP needs from one image: conf (n,), pred_cls (n,), gt_cls (m,), ious {"box" and/or
-    "mask": (n, m)} -> {"index", "conf", "cls", "gt_cls", "tp": {kind: (n, T) bool}}."""
+    "mask": (n, m) float64} -> {"index", "conf", "cls", "gt_cls", "tp": {kind: (n, T) bool}}."""
     conf = np.asarray(conf, dtype=np.float64).reshape(-1)
     pred_cls = np.asarray(pred_cls, dtype=np.int64).reshape(-1)
     gt_cls = np.asarray(gt_cls, dtype=np.int64).reshape(-1)
-    tp = {}
-    for kind, iou in ious.items():
-        iou = np.asarray(iou, np.float64).reshape(len(conf), len(gt_cls))
-        tp[kind] = match_predictions(iou, conf, pred_cls, gt_cls)
+    tp = {kind: match_predictions(iou, conf, pred_cls, gt_cls) for kind, iou in ious.items()}
     return {"index": int(index), "conf": conf, "cls": pred_cls, "gt_cls": gt_cls, "tp": tp}
 
 
@@ -57,8 +49,8 @@ def merge_records(parts: list[list[dict]]) -> list[dict]:
 
 
 def ap_per_class(tp: np.ndarray, conf: np.ndarray, pred_cls: np.ndarray, gt_cls) -> dict:
-    """COCO AP of all detections tp (N, T), conf (N,), pred_cls (N,) (by dataset index) -> for the
-    K classes of gt_cls: AP (K, T), P (K,) and R (K,) at the confidence of max mean F1."""
+    """COCO AP of all detections tp (N, T), conf (N,), pred_cls (N,) (by dataset index) -> for the K
+    classes of gt_cls "P", "R" (K,) at the max-mean-F1 conf, "mAP50" (K,), "mAP50-95" (K, T)."""
     classes, n_gt = np.unique(np.asarray(gt_cls, np.int64), return_counts=True)
     k, t = len(classes), tp.shape[1]
     ap = np.zeros((k, t))
@@ -83,7 +75,7 @@ def ap_per_class(tp: np.ndarray, conf: np.ndarray, pred_cls: np.ndarray, gt_cls)
         p_curve[ci] = np.where(n_above > 0, tpc[last, 0] / np.maximum(n_above, 1), 1.0)
     f1 = 2 * p_curve * r_curve / (p_curve + r_curve + 1e-16)
     best = int(f1.mean(0).argmax()) if k else 0
-    return ap, p_curve[:, best], r_curve[:, best]
+    return {"P": p_curve[:, best], "R": r_curve[:, best], "mAP50": ap[:, 0], "mAP50-95": ap}
 
 
 def metric_names(kinds: tuple[str, ...]) -> list[str]:
@@ -107,9 +99,7 @@ def summarize(records: list[dict], kinds: tuple[str, ...] = ("box",)) -> dict:
     metrics = {}
     for kind in kinds:
         tp = np.concatenate([r["tp"][kind] for r in records] + [np.zeros((0, 10), bool)])
-        ap, p, r = ap_per_class(tp, conf, pred_cls, gt_cls)
-        columns = {"P": p, "R": r, "mAP50": ap[:, 0], "mAP50-95": ap}
-        for name, values in columns.items():
+        for name, values in ap_per_class(tp, conf, pred_cls, gt_cls).items():
             key = f"{name}({SUFFIX[kind]})"
             metrics[key] = float(values.mean()) if len(classes) else 0.0
             for row, v in zip(rows, values):
@@ -137,8 +127,8 @@ def summarize_classes(records: list[dict]) -> dict:
         return {"top1_acc": float(top1), "top5_acc": float(top5)}
 
     rows = [{"class": int(c), "images": int((labels == c).sum())} for c in np.unique(labels)]
-    rows = [row | accuracy(hits[labels == row["class"]]) for row in rows]
     metrics = accuracy(hits) | {"val_loss": float(np.mean([r["loss"] for r in records] or [0]))}
+    rows = [row | accuracy(hits[labels == row["class"]]) for row in rows]
     out = {"metrics": metrics, "fitness": metrics["top1_acc"], "images": len(records)}
     return out | {"per_class": rows}
 
