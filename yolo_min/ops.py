@@ -62,10 +62,9 @@ def non_max_suppression(
 def scale_boxes(boxes: torch.Tensor, ratio_pad, orig_hw: tuple[int, int]) -> torch.Tensor:
     """xyxy (n, 4) in letterboxed input pixels -> xyxy original pixels, clipped to the image."""
     (rh, rw), (pw, ph) = ratio_pad
-    b = boxes[:, :4].clone()
-    b[:, 0::2] = ((b[:, 0::2] - pw) / rw).clamp(0, orig_hw[1])
-    b[:, 1::2] = ((b[:, 1::2] - ph) / rh).clamp(0, orig_hw[0])
-    return b
+    x = ((boxes[:, 0:4:2] - pw) / rw).clamp(0, orig_hw[1])
+    y = ((boxes[:, 1:4:2] - ph) / rh).clamp(0, orig_hw[0])
+    return torch.stack((x, y), 2).flatten(1)
 
 
 def process_mask(protos, coefs, boxes, input_hw: tuple[int, int]) -> torch.Tensor:
@@ -84,10 +83,9 @@ def process_mask(protos, coefs, boxes, input_hw: tuple[int, int]) -> torch.Tenso
 def scale_masks(masks: torch.Tensor, ratio_pad, orig_hw: tuple[int, int]) -> torch.Tensor:
     """(n, H, W) bool masks on the input -> (n, h, w) on the original: padding cut, nearest."""
     (rh, rw), (pw, ph) = ratio_pad
-    orig_hw = tuple(orig_hw)
     top, left = round(ph - 0.1), round(pw - 0.1)  # where the image starts, as yolov5 splits padding
     m = masks[:, top : top + round(orig_hw[0] * rh), left : left + round(orig_hw[1] * rw)]
-    if m.shape[1:] != orig_hw:
+    if m.shape[1:] != tuple(orig_hw):
         m = F.interpolate(m[:, None].byte(), size=orig_hw, mode="nearest-exact")[:, 0].bool()
     return m
 
@@ -131,9 +129,8 @@ NEIGHBOURS = ((0, 1), (1, 1), (1, 0), (1, -1), (0, -1), (-1, -1), (-1, 0), (-1, 
 
 
 def trace_border(m: np.ndarray, start: int) -> tuple[np.ndarray, np.ndarray]:
-    """Moore-neighbour tracing of the outer border of the 8-connected component starting at flat
-    index `start` of a background-framed bool mask -> its pixels (k, 2) [x, y] clockwise and the
-    NEIGHBOURS index of the step leaving each."""
+    """Moore-neighbour trace of the outer border of the 8-connected component at flat index `start`
+    of a zero-framed bool mask -> its pixels (k, 2) [x, y] clockwise, each one's NEIGHBOURS step."""
     flat, w = m.ravel(), m.shape[1]
     steps = [dy * w + dx for dy, dx in NEIGHBOURS]
     p, d, points, dirs = start, 4, [], []  # the search starts at the west, known background
@@ -169,7 +166,7 @@ def mask_iou(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     a, b = a.flatten(1).float(), b.flatten(1).float()
     inter = (a @ b.T).double()  # exact pixel counts up to 2**24 pixels per mask
     union = a.sum(1).double()[:, None] + b.sum(1).double()[None] - inter
-    return torch.where(union > 0, inter / union.clamp(min=1), torch.zeros_like(inter))
+    return inter / union.clamp(min=1)  # 0 where both are empty
 
 
 def rle_encode(mask: torch.Tensor | np.ndarray) -> dict:
