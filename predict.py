@@ -9,6 +9,7 @@ import argparse
 import glob
 import json
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -16,9 +17,9 @@ import torch
 import torch.nn.functional as F
 import torchvision.transforms.v2.functional as TF
 from PIL import Image, ImageDraw, ImageOps
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
-from val import AMP_HELP, STAGES, cli, now, parse_kwargs, preprocess, speed_line
+from val import STAGES, base_parser, cli, infer, parse_kwargs, speed_line
 from yolo_min import dist, ops
 from yolo_min.checkpoint import load_model, next_run_dir
 from yolo_min.labels import IMG_FORMATS, DataError
@@ -58,33 +59,25 @@ def letterbox(image: torch.Tensor, imgsz: int, stride: int) -> tuple[torch.Tenso
     return canvas, ((r, r), ((W - w0 * r) / 2, (H - h0 * r) / 2))  # as yolov5's scale_boxes
 
 
-class Images(Dataset):
-    """Paths, PIL images or uint8 (h, w, 3) RGB arrays -> {"index", "path", "image" (EXIF-rotated),
-    "input" (letterboxed; classify: centre square), "ratio_pad"} or {"index", "path", "error"}."""
-
-    def __init__(self, images: list, imgsz: int, stride: int, classify: bool = False):
-        self.images, self.imgsz, self.stride, self.classify = images, imgsz, stride, classify
-
-    def __len__(self) -> int:
-        return len(self.images)
-
-    def __getitem__(self, k: int) -> dict:
-        src = self.images[k]
-        path = str(src) if isinstance(src, (str, Path)) else None
-        try:
-            if not isinstance(src, np.ndarray):
-                src = ImageOps.exif_transpose(Image.open(src) if path else src).convert("RGB")
-            image = torch.from_numpy(np.array(src))
-            if image.dtype != torch.uint8 or image.ndim != 3 or image.shape[2] != 3:
-                raise ValueError(f"an array of {image.dtype} {tuple(image.shape)}, not uint8 RGB")
-        except Exception as e:  # missing, unreadable, not an image, truncated, ...
-            return dict(index=k, path=path, error=f"{type(e).__name__}: {e}")
-        if self.classify:  # as ClassifyDataset's validation input
-            square = TF.center_crop(image.permute(2, 0, 1), min(image.shape[:2]))
-            canvas, ratio_pad = TF.resize(square, [self.imgsz] * 2), None
-        else:
-            canvas, ratio_pad = letterbox(image, self.imgsz, self.stride)
-        return dict(index=k, path=path, image=image, input=canvas, ratio_pad=ratio_pad)
+def read(item: tuple, imgsz: int, stride: int, classify: bool = False) -> dict:
+    """(index, a path, PIL image or uint8 (h, w, 3) RGB array) -> {"index", "path", "image"
+    (EXIF-rotated), "input" (letterboxed; classify: centre square), "ratio_pad"} or "error"."""
+    k, src = item
+    path = str(src) if isinstance(src, (str, Path)) else None
+    try:
+        if not isinstance(src, np.ndarray):
+            src = ImageOps.exif_transpose(Image.open(src) if path else src).convert("RGB")
+        image = torch.from_numpy(np.array(src))
+        if image.dtype != torch.uint8 or image.ndim != 3 or image.shape[2] != 3:
+            raise ValueError(f"an array of {image.dtype} {tuple(image.shape)}, not uint8 RGB")
+    except Exception as e:  # missing, unreadable, not an image, truncated, ...
+        return dict(index=k, path=path, error=f"{type(e).__name__}: {e}")
+    if classify:  # as ClassifyDataset's validation input
+        square = TF.center_crop(image.permute(2, 0, 1), min(image.shape[:2]))
+        canvas, ratio_pad = TF.resize(square, [imgsz] * 2), None
+    else:
+        canvas, ratio_pad = letterbox(image, imgsz, stride)
+    return dict(index=k, path=path, image=image, input=canvas, ratio_pad=ratio_pad)
 
 
 def by_shape(samples, batch_size: int):
@@ -101,33 +94,26 @@ def by_shape(samples, batch_size: int):
 
 @torch.no_grad()
 def stream(model, images, imgsz=640, batch_size=1, workers=0, polygons=False, amp=None, **nms):
-    """Yield an eval-mode Model's results on images (see Images), batched by shape (out of order):
+    """Yield an eval-mode Model's results on images (see read), batched by shape (out of order):
     {"index", "path", "image", "names", "speed" (ms by STAGES)} with "probs" (nc,), or "boxes"
     (n, 6) xyxy original pixels, conf, cls by descending conf, "masks" (n, h, w) or None (and with
     polygons each mask's outer polygon (k, 2) [x, y]). amp: autocast dtype or None (float32)."""
-    device, stride = next(model.parameters()).device, int(model.stride.max())
-    nm, classify = model.head.nm if model.task == "segment" else 0, model.task == "classify"
-    data = Images(images, make_divisible(imgsz, stride), stride, classify)
-    for group in by_shape(DataLoader(data, batch_size=None, num_workers=workers), batch_size):
+    stride, classify = int(model.stride.max()), model.task == "classify"
+    decode = partial(read, imgsz=make_divisible(imgsz, stride), stride=stride, classify=classify)
+    items = list(enumerate(images))  # collate_fn: each item is decoded in the workers
+    loader = DataLoader(items, batch_size=None, num_workers=workers, collate_fn=decode)
+    for group in by_shape(loader, batch_size):
         if "error" in group[0]:
             yield group[0]
             continue
-        t0 = now(device)
-        x = preprocess(torch.stack([s["input"] for s in group]), device, classify)
-        t1 = now(device)
-        with torch.autocast(device.type, amp, enabled=amp is not None):
-            out = model(x)
-        preds, protos = out if nm else (out, [None] * len(x))
-        t2 = now(device)
-        if classify:
-            dets = preds.float().softmax(1).cpu()
-        else:
-            dets = ops.non_max_suppression(preds.float(), nm=nm, **(PREDICT_NMS | nms))
-        speed = np.array([t1 - t0, t2 - t1, now(device) - t2]) * 1000 / len(group)
+        x = torch.stack([s["input"] for s in group])
+        dets, protos, seconds = infer(model, x, PREDICT_NMS | nms, amp)
+        dets = dets.softmax(1).cpu() if classify else dets
+        protos = [None] * len(group) if protos is None else protos
         for s, det, proto in zip(group, dets, protos):
             res = dict(index=s["index"], path=s["path"], image=s["image"], names=model.names)
             out = dict(probs=det) if classify else to_original(det, proto, s, x.shape[2:], polygons)
-            yield res | dict(speed=speed) | out
+            yield res | dict(speed=seconds * 1000 / len(group)) | out
 
 
 def to_original(det, protos, sample: dict, input_hw, polygons: bool) -> dict:
@@ -210,11 +196,10 @@ def save(result: dict, save_dir: Path, args) -> None:
         picture.save(save_dir / path.name)
     if args.save_txt and (len(boxes) or "probs" in result):
         (save_dir / "labels" / f"{path.stem}.txt").write_text(label_lines(result, args.save_conf))
-    for k, (x1, y1, x2, y2, _, c) in enumerate(boxes.tolist() if args.save_crop else []):
+    for k, (*box, _, c) in enumerate(boxes.tolist() if args.save_crop else []):
         crop = save_dir / "crops" / result["names"][int(c)] / f"{path.stem}_{k}.jpg"
         crop.parent.mkdir(parents=True, exist_ok=True)
-        box = (int(x1), int(y1), int(np.ceil(x2)), int(np.ceil(y2)))
-        Image.fromarray(result["image"].numpy()).crop(box).save(crop)
+        Image.fromarray(result["image"].numpy()).crop(box).save(crop)  # box: whole pixels
 
 
 def progress(results, n: int, show: bool):
@@ -228,17 +213,10 @@ def progress(results, n: int, show: bool):
 
 
 def get_args_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="Predict boxes (and masks) on images")
-    p.add_argument("--weights", required=True, help="yolo_min checkpoint or yolov5 .pt")
+    p = base_parser("Predict boxes (and masks) on images", PREDICT_NMS, "runs/predict")
     p.add_argument("--source", required=True, help="image, folder, glob or .txt list of paths")
-    p.add_argument("--imgsz", type=int, default=640, help="long side (a multiple of the stride)")
-    p.add_argument("--conf-thres", type=float, default=0.25)
-    p.add_argument("--iou-thres", type=float, default=0.45, help="NMS IoU")
-    p.add_argument("--max-det", type=int, default=1000, help="per image")
     p.add_argument("--classes", nargs="+", type=int, help="keep only these classes")
     p.add_argument("--agnostic-nms", action="store_true", help="NMS across classes")
-    p.add_argument("--device", default="", help="cpu, 0, cuda:1 (default: cuda if available)")
-    p.add_argument("--amp", choices=["auto", "on", "off"], default="auto", help=AMP_HELP)
     p.add_argument("--batch-size", type=int, default=1, help="per rank")
     p.add_argument("--workers", type=int, default=0, help="image decoding processes per rank")
     p.add_argument("--save-txt", action="store_true", help="labels/<image>.txt, yolov5's format")
@@ -249,9 +227,6 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--line-width", type=int, help="box width in pixels (default: by size)")
     p.add_argument("--hide-labels", action="store_true")
     p.add_argument("--hide-conf", action="store_true")
-    p.add_argument("--project", default="runs/predict")
-    p.add_argument("--name", default="exp")
-    p.add_argument("--exist-ok", action="store_true")
     return p
 
 

@@ -39,13 +39,20 @@ def preprocess(images: torch.Tensor, device: torch.device, normalize=False) -> t
 
 def score_image(dataset, index: int, det, shape, input_hw, protos=None, cat_ids=None) -> dict:
     """metrics.image_record of det (n, 6+nm) [xyxy input pixels, conf, cls, coefs] against the
-    ground truth; shape (orig_hw, ratio_pad); protos (nm, H/4, W/4) for masks. cat_ids (a COCO
-    category id per class) adds the detections in COCO's results format as record["json"]."""
+    ground truth; shape (orig_hw, ratio_pad); protos (nm, H/4, W/4) for masks; record["json"]: with
+    cat_ids (a COCO category id per class) the detections in COCO's results format."""
     gt, (orig_hw, ratio_pad) = dataset.ground_truth(index), shape
     boxes = ops.scale_boxes(det[:, :4], ratio_pad, orig_hw)
     gt_boxes = gt["boxes"].to(det.device, torch.float64)
     ious = {"box": ops.box_iou(boxes.double(), gt_boxes).cpu().numpy()}
-    rles = [None] * len(det)  # the json's masks
+    found = []  # COCO's results format
+    if cat_ids:
+        stem = Path(dataset.im_files[index]).stem
+        image_id = int(stem) if stem.isnumeric() else stem
+        xywh = torch.cat((boxes[:, :2], boxes[:, 2:] - boxes[:, :2]), 1).cpu().tolist()
+        for b, score, c in zip(xywh, det[:, 4].tolist(), det[:, 5].tolist()):
+            res = {"image_id": image_id, "category_id": cat_ids[int(c)]}
+            found.append(res | {"bbox": [round(v, 3) for v in b], "score": round(score, 5)})
     if protos is not None:
         gt_masks = ops.polygons_to_masks(gt["polygons"], orig_hw).to(det.device)
         pad = 1 + 4 / min(ratio_pad[0])  # masks reach a prototype pixel (4 input px) out of boxes
@@ -58,19 +65,10 @@ def score_image(dataset, index: int, det, shape, input_hw, protos=None, cat_ids=
             masks = ops.scale_masks(masks, ratio_pad, orig_hw)
             iou[idx] = ops.mask_iou(masks, gt_masks)
             for i, m in zip(idx.tolist(), masks) if cat_ids else ():
-                rles[i] = ops.rle_encode(m)
+                found[i]["segmentation"] = ops.rle_encode(m)
         ious["mask"] = iou.cpu().numpy()
     rec = metrics.image_record(index, det[:, 4].cpu(), det[:, 5].cpu(), gt["cls"], ious)
-    if cat_ids:
-        stem = Path(dataset.im_files[index]).stem
-        image_id = int(stem) if stem.isnumeric() else stem
-        xywh = torch.cat((boxes[:, :2], boxes[:, 2:] - boxes[:, :2]), 1).cpu().tolist()
-        rec["json"] = []
-        for b, s, c, r in zip(xywh, det[:, 4].tolist(), det[:, 5].tolist(), rles):
-            res = {"image_id": image_id, "category_id": cat_ids[int(c)]}
-            res |= {"bbox": [round(v, 3) for v in b], "score": round(s, 5)}
-            rec["json"].append(res | ({"segmentation": r} if r else {}))
-    return rec
+    return rec | {"json": found}
 
 
 @torch.no_grad()
@@ -81,32 +79,23 @@ def evaluate(
     on every rank. plots_dir: rank 0 draws 3 batches there; save_json: a path for COCO's results
     (ids cls + 1, or COCO-91 with coco_ids); amp: autocast dtype (models.amp_dtype) or None."""
     model = de_parallel(model)
-    was_training = model.training
+    was_training, classify = model.training, model.task == "classify"
     model.eval()
-    device, classify = next(model.parameters()).device, model.task == "classify"
-    nm = model.head.nm if model.task == "segment" else 0
     records, seen, times = [], 0, np.zeros(3)
     cat_ids = (COCO91_IDS if coco_ids else range(1, model.nc + 1)) if save_json else None
     for bi, batch in enumerate(loader):
-        t0 = now(device)
-        images = preprocess(batch["images"], device, classify)
-        t1 = now(device)
-        with torch.autocast(device.type, amp, enabled=amp is not None):
-            out = model(images)
-        preds, protos = out if nm else (out, None)
-        t2 = now(device)
+        dets, protos, seconds = infer(model, batch["images"], nms, amp)
+        times, seen = times + seconds, seen + len(dets)
         if classify:  # top-k and the loss of each image
-            logits, labels = out.float().cpu(), batch["targets"][:, 1]
+            logits, labels = dets.cpu(), batch["targets"][:, 1]
             losses = F.cross_entropy(logits, labels, reduction="none")
             records += metrics.class_records(batch["indices"], logits, labels, losses)
-        dets = [] if classify else ops.non_max_suppression(preds.float(), nm=nm, **nms)
-        times += (t1 - t0, t2 - t1, now(device) - t2)
-        seen += len(images)
+            continue
         for j, det in enumerate(dets):
-            index, proto = int(batch["indices"][j]), protos[j].float() if nm else None
-            shape, hw = batch["shapes"][j], images.shape[2:]
+            index, proto = int(batch["indices"][j]), None if protos is None else protos[j].float()
+            shape, hw = batch["shapes"][j], batch["images"].shape[2:]
             records.append(score_image(dataset, index, det, shape, hw, proto, cat_ids))
-        if plots_dir is not None and bi < 3 and dist.is_main() and not classify:
+        if plots_dir is not None and bi < 3 and dist.is_main():
             plot_batch(batch, dets, protos, Path(plots_dir) / f"val_batch{bi}", model.names)
     records = metrics.merge_records(dist.all_gather_object(records))
     kinds = metrics.KINDS[model.task]
@@ -116,6 +105,22 @@ def evaluate(
         Path(save_json).write_text(json.dumps([d for r in records for d in r["json"]]))
     model.train(was_training)
     return res
+
+
+def infer(model, images: torch.Tensor, nms: dict, amp=None) -> tuple:
+    """An eval-mode Model on uint8 images (bs, 3, H, W) -> (float logits (bs, nc) of a classifier,
+    else NMS's detections per image; prototypes (bs, nm, H/4, W/4) or None; seconds by STAGES)."""
+    device, classify = next(model.parameters()).device, model.task == "classify"
+    nm = model.head.nm if model.task == "segment" else 0
+    t0 = now(device)
+    x = preprocess(images, device, classify)
+    t1 = now(device)
+    with torch.autocast(device.type, amp, enabled=amp is not None):
+        out = model(x)
+    preds, protos = out if nm else (out, None)
+    t2 = now(device)
+    dets = preds.float() if classify else ops.non_max_suppression(preds.float(), nm=nm, **nms)
+    return dets, protos, np.array([t1 - t0, t2 - t1, now(device) - t2])
 
 
 def now(device: torch.device) -> float:
@@ -144,9 +149,9 @@ def plot_batch(batch: dict, dets: list, protos, prefix: Path, names: list) -> No
     draw_batch(batch["images"], masks=masks, preds=preds, fname=out, **kw)
 
 
-def format_table(res: dict, names: list[str] | None = None, verbose: bool = False) -> str:
+def format_table(res: dict, names: list[str], verbose: bool = False) -> str:
     """yolov5-style results table: all classes (and each class with verbose)."""
-    counts = ["images", "instances"] if "instances" in res else ["images"]  # classify: images
+    counts = [c for c in ("images", "instances") if c in res]  # classify: images
     cols = [c for c in res["metrics"] if c != "val_loss"]
     head = f"{'Class':>20}" + "".join(f"{c.capitalize():>11}" for c in counts)
 
@@ -155,31 +160,35 @@ def format_table(res: dict, names: list[str] | None = None, verbose: bool = Fals
         return f"{name:>20}" + "".join(f"{values[c]:>11}" for c in counts) + numbers
 
     lines = [head + "".join(f"{c:>13}" for c in cols), row("all", res | res["metrics"])]
-    for pc in res["per_class"] if verbose else ():
-        name = names[pc["class"]] if names and pc["class"] < len(names) else pc["class"]
-        lines.append(row(name, pc))
+    lines += [row(names[pc["class"]], pc) for pc in res["per_class"]] if verbose else []
     return "\n".join(lines)
 
 
-def get_args_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="Validate a checkpoint (COCO-exact mAP)")
+def base_parser(description: str, nms: dict, project: str) -> argparse.ArgumentParser:
+    """The options of val.py and predict.py; nms: the defaults of conf_thres, iou_thres, max_det."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--weights", required=True, help="yolo_min checkpoint or yolov5 .pt")
-    p.add_argument("--data", required=True, help="dataset yaml, or 'shapes'")
-    p.add_argument("--imgsz", type=int, default=640)
-    p.add_argument("--batch-size", type=int, default=32, help="per rank")
-    p.add_argument("--conf-thres", type=float, default=0.001)
-    p.add_argument("--iou-thres", type=float, default=0.6, help="NMS IoU")
-    p.add_argument("--max-det", type=int, default=300)
+    p.add_argument("--imgsz", type=int, default=640, help="long side (a multiple of the stride)")
+    p.add_argument("--conf-thres", type=float, default=nms["conf_thres"])
+    p.add_argument("--iou-thres", type=float, default=nms["iou_thres"], help="NMS IoU")
+    p.add_argument("--max-det", type=int, default=nms["max_det"], help="per image")
     p.add_argument("--device", default="", help="cpu, 0, cuda:1 (default: cuda if available)")
-    p.add_argument("--workers", type=int, default=4)
     p.add_argument("--amp", choices=["auto", "on", "off"], default="auto", help=AMP_HELP)
+    p.add_argument("--project", default=project)
+    p.add_argument("--name", default="exp")
+    p.add_argument("--exist-ok", action="store_true")
+    return p
+
+
+def get_args_parser() -> argparse.ArgumentParser:
+    p = base_parser("Validate a checkpoint (COCO-exact mAP)", VAL_NMS, "runs/val")
+    p.add_argument("--data", required=True, help="dataset yaml, or 'shapes'")
+    p.add_argument("--batch-size", type=int, default=32, help="per rank")
+    p.add_argument("--workers", type=int, default=4)
     p.add_argument("--save-json", action="store_true", help="write predictions.json")
     p.add_argument("--coco-ids", action="store_true", help="COCO-91 ids in predictions.json")
     p.add_argument("--plots", action="store_true", help="save label/prediction images")
     p.add_argument("--verbose", action="store_true", help="per-class table")
-    p.add_argument("--project", default="runs/val")
-    p.add_argument("--name", default="exp")
-    p.add_argument("--exist-ok", action="store_true")
     return p
 
 

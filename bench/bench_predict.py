@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -84,7 +85,7 @@ def main():
     print(f"{head} {'model-only img/s (cpu ms/img)':>30} {'vs detect.py wall':>18}")
     for imgsz in args.sizes:
         inputs = {}
-        for s in predict.Images(files, imgsz, 32):
+        for s in map(partial(predict.read, imgsz=imgsz, stride=32), enumerate(files)):
             inputs.setdefault(tuple(s["input"].shape), []).append(s["input"])
         for batch, workers in ((1, 0), (args.batch, args.workers)):
             runs = []
