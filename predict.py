@@ -1,7 +1,6 @@
 """Predict boxes (and masks), or a classifier's top 5, as yolov5's detect.py and predict.py do:
-`python predict.py --weights best.pt --source images/` (torchrun shares the files) or `run(...)`;
-`predict(model, images)` returns the results, `draw(result)` pictures one. Writes runs/predict/exp.
-"""
+`python predict.py --weights best.pt --source images/` (torchrun shares the files), `run(...)` or
+`predict(model, images)` (the results; `draw(result)` pictures one). Writes runs/predict/exp."""
 
 from __future__ import annotations
 
@@ -94,10 +93,9 @@ def by_shape(samples, batch_size: int):
 
 @torch.no_grad()
 def stream(model, images, imgsz=640, batch_size=1, workers=0, polygons=False, amp=None, **nms):
-    """Yield an eval-mode Model's results on images (see read), batched by shape (out of order):
-    {"index", "path", "image", "names", "speed" (ms by STAGES)} with "probs" (nc,), or "boxes"
-    (n, 6) xyxy original pixels, conf, cls by descending conf, "masks" (n, h, w) or None (and with
-    polygons each mask's outer polygon (k, 2) [x, y]). amp: autocast dtype or None (float32)."""
+    """Yield an eval-mode Model's results on images (see read), batched by shape, out of order:
+    {"index", "path", "image", "names", "speed" (ms by STAGES)} and "probs" (nc,), or "boxes" (n, 6)
+    xyxy original px, conf, cls by descending conf, "masks" (n, h, w) or None, "polygons" (k, 2)."""
     stride, classify = int(model.stride.max()), model.task == "classify"
     decode = partial(read, imgsz=make_divisible(imgsz, stride), stride=stride, classify=classify)
     items = list(enumerate(images))  # collate_fn: each item is decoded in the workers
@@ -231,8 +229,7 @@ def get_args_parser() -> argparse.ArgumentParser:
 
 
 def main(args: argparse.Namespace) -> dict:
-    """Predict --source (rank r takes images r, r + world_size, ...) -> {"save_dir", "images",
-    "skipped", "detections", "speed"}."""
+    """Predict --source, sharded -> {"save_dir", "images", "skipped", "detections", "speed"}."""
     info = dist.setup(args.device)
     try:
         amp = amp_dtype(info.device, args.amp)

@@ -1,7 +1,6 @@
 """Validate a checkpoint: COCO-exact box (and mask) mAP, or top-1/5 accuracy. `python val.py
 --weights best.pt --data coco128.yaml` (torchrun shards it) writes runs/val/exp/metrics.json (and
-predictions.json, COCO's results format); `evaluate` is also train.py's validation.
-"""
+predictions.json, COCO's results format); `evaluate` is also train.py's validation."""
 
 from __future__ import annotations
 
@@ -138,15 +137,13 @@ def speed_line(speed: dict, at: str) -> str:
 
 def plot_batch(batch: dict, dets: list, protos, prefix: Path, names: list) -> None:
     """A batch's labels and predictions (conf >= 0.25): prefix_labels.jpg, prefix_pred.jpg."""
+    images, kw = batch["images"], dict(paths=batch["paths"], names=names)
+    draw_batch(images, batch["targets"], batch["masks"], fname=f"{prefix}_labels.jpg", **kw)
     preds = [d[d[:, 4] >= 0.25] for d in dets]
-    hw = batch["images"].shape[2:]
-    masks = None
     if protos is not None:
-        masks = [ops.process_mask(pr, p[:, 6:], p[:, :4], hw) for pr, p in zip(protos, preds)]
-    kw = dict(paths=batch["paths"], names=names)
-    labels, out = f"{prefix}_labels.jpg", f"{prefix}_pred.jpg"
-    draw_batch(batch["images"], batch["targets"], batch["masks"], fname=labels, **kw)
-    draw_batch(batch["images"], masks=masks, preds=preds, fname=out, **kw)
+        hw = images.shape[2:]
+        kw["masks"] = [ops.process_mask(q, p[:, 6:], p[:, :4], hw) for q, p in zip(protos, preds)]
+    draw_batch(images, preds=preds, fname=f"{prefix}_pred.jpg", **kw)
 
 
 def format_table(res: dict, names: list[str], verbose: bool = False) -> str:

@@ -1,6 +1,5 @@
 """Box and mask AP exactly as COCOeval (areaRng "all", maxDets >= detections, no crowds; score ties
-by dataset index, then order), and top-k accuracy, from small per-image records keyed by index.
-"""
+by dataset index, then order), and top-k accuracy, from small per-image records keyed by index."""
 
 from __future__ import annotations
 
@@ -52,9 +51,8 @@ def ap_per_class(tp: np.ndarray, conf: np.ndarray, pred_cls: np.ndarray, gt_cls)
     """COCO AP of all detections tp (N, T), conf (N,), pred_cls (N,) (by dataset index) -> for the K
     classes of gt_cls "P", "R" (K,) at the max-mean-F1 conf, "mAP50" (K,), "mAP50-95" (K, T)."""
     classes, n_gt = np.unique(np.asarray(gt_cls, np.int64), return_counts=True)
-    k, t = len(classes), tp.shape[1]
-    ap = np.zeros((k, t))
-    p_curve, r_curve = np.zeros((k, len(CONF_GRID))), np.zeros((k, len(CONF_GRID)))
+    ap = np.zeros((len(classes), tp.shape[1]))
+    p_curve, r_curve = np.zeros((2, len(classes), len(CONF_GRID)))
     for ci, (c, npos) in enumerate(zip(classes, n_gt)):
         sel = np.flatnonzero(pred_cls == c)
         if len(sel) == 0:
@@ -64,7 +62,7 @@ def ap_per_class(tp: np.ndarray, conf: np.ndarray, pred_cls: np.ndarray, gt_cls)
         n_seen = np.arange(1.0, len(order) + 1)[:, None]  # true + false positives so far
         recall, precision = tpc / npos, tpc / (n_seen + EPS)
         envelope = np.maximum.accumulate(precision[::-1], 0)[::-1]
-        for ti in range(t):
+        for ti in range(tp.shape[1]):
             idx = np.searchsorted(recall[:, ti], RECALL_POINTS, side="left")
             q = np.where(idx < len(order), envelope[np.minimum(idx, len(order) - 1), ti], 0.0)
             ap[ci, ti] = q.mean()
@@ -74,7 +72,7 @@ def ap_per_class(tp: np.ndarray, conf: np.ndarray, pred_cls: np.ndarray, gt_cls)
         r_curve[ci] = np.where(n_above > 0, tpc[last, 0] / npos, 0.0)
         p_curve[ci] = np.where(n_above > 0, tpc[last, 0] / np.maximum(n_above, 1), 1.0)
     f1 = 2 * p_curve * r_curve / (p_curve + r_curve + 1e-16)
-    best = int(f1.mean(0).argmax()) if k else 0
+    best = int(f1.mean(0).argmax()) if len(classes) else 0
     return {"P": p_curve[:, best], "R": r_curve[:, best], "mAP50": ap[:, 0], "mAP50-95": ap}
 
 
