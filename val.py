@@ -90,7 +90,7 @@ def evaluate(
             records += metrics.class_records(batch["indices"], logits, labels, losses)
             continue
         for j, det in enumerate(dets):
-            index, proto = int(batch["indices"][j]), None if protos is None else protos[j].float()
+            index, proto = int(batch["indices"][j]), None if protos is None else protos[j]
             shape, hw = batch["shapes"][j], batch["images"].shape[2:]
             records.append(score_image(dataset, index, det, shape, hw, proto, cat_ids))
         if plots_dir is not None and bi < 3 and dist.is_main():
