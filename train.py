@@ -3,9 +3,8 @@
     python train.py --cfg yolov5n-seg.yaml --data coco128-seg.yaml --epochs 100 --imgsz 640
     torchrun --standalone --nproc_per_node 4 train.py --data coco.yaml --batch-size 64  # global
 
-Read top to bottom: arguments, builders, `train_one_epoch`, `fit` (the epoch loop: validate, log,
-save), `main`. The cfg's head sets the task. A run lives in runs/train/exp, exp2, ...; --resume
-continues one exactly, and after a torchrun restart a run resumes by itself.
+The cfg's head sets the task. A run lives in runs/train/exp, exp2, ...; --resume continues one
+exactly, and after a torchrun restart a run resumes by itself.
 """
 
 from __future__ import annotations
@@ -31,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from val import AMP_HELP, evaluate, format_table, parse_kwargs, preprocess
 from yolo_min import checkpoint, datasets, dist
 from yolo_min.anchors import check_anchors
-from yolo_min.datasets import ClassifyDataset, YOLODataset
+from yolo_min.datasets import ClassifyDataset, YOLODataset, build_dataloader
 from yolo_min.losses import ClassifyLoss, YOLOLoss, scale_hyp
 from yolo_min.metrics import KINDS, metric_names
 from yolo_min.models import CFG_DIR, Model, ModelEMA, amp_dtype, de_parallel, make_divisible
@@ -108,9 +107,8 @@ def check_args(args: argparse.Namespace, task: str, world_size: int) -> None:
     if args.cache not in ("auto", "ram", "off") or not all(type(f) is int for f in args.freeze):
         raise ConfigError("--cache must be auto, ram or off, and --freeze integers")
     if args.batch_size < world_size or args.batch_size % world_size:  # the global batch
-        raise ConfigError(
-            f"--batch-size {args.batch_size} must be a multiple of the world size {world_size}"
-        )
+        size = f"--batch-size {args.batch_size} must be a multiple of the world size {world_size}"
+        raise ConfigError(size)
     if args.imgsz % 32:
         size = make_divisible(args.imgsz, 32)
         dist.print0(f"warning: --imgsz {args.imgsz} is not a multiple of 32, using {size}")
@@ -118,8 +116,7 @@ def check_args(args: argparse.Namespace, task: str, world_size: int) -> None:
 
 
 def build_model(args, data: dict, ckpt: dict | None) -> Model:
-    """--cfg (resumed: the checkpoint's) with data's classes, the tensors of --weights whose name
-    and shape fit (but the anchors), --freeze applied."""
+    """--cfg (resumed: its own) with data's classes, --weights' fitting tensors, --freeze."""
     model = Model(ckpt["model_cfg"] if ckpt else args.cfg, nc=data["nc"])
     if args.weights and not ckpt:
         have, src = model.state_dict(), checkpoint.load_model(args.weights).state_dict()
@@ -154,8 +151,7 @@ def build_datasets(args, hyp: dict, model: Model, data: dict, info) -> tuple:
 
 
 def build_optimizer(model: nn.Module, lr: float, momentum: float, decay: float, name="SGD"):
-    """An optimizer (Nesterov SGD, Adam with beta1 = momentum, ...) in 3 groups: 0 biases and 1
-    BatchNorm weights without weight decay, 2 the other weights with it."""
+    """Nesterov SGD (Adam: beta1 = momentum); groups: biases, BatchNorm weights (no decay), rest."""
     groups = [[], [], []]
     for m in model.modules():
         for kind, p in m.named_parameters(recurse=False):
@@ -233,10 +229,8 @@ def train_one_epoch(model, criterion, optimizer, scaler, ema, loader, epoch, arg
             values = dist.reduce_mean(torch.stack(list(items.values()))).cpu()
             if not torch.isfinite(values).all():  # the same on every rank: all stop together
                 where = f"at epoch {epoch + 1}, iteration {i + 1}: training stopped; the last good"
-                last = save_dir / "weights" / "last.pt"
-                raise FloatingPointError(
-                    f"non-finite loss {values.tolist()} {where} checkpoint is {last}"
-                )
+                last = f"checkpoint is {save_dir / 'weights' / 'last.pt'}"
+                raise FloatingPointError(f"non-finite loss {values.tolist()} {where} {last}")
             scaler.scale(loss).backward()
         if step:
             optimizer_step(model, optimizer, scaler, ema)
@@ -342,10 +336,8 @@ def fit(args, info) -> dict:
         dist.print0(f"Resuming {save_dir} at epoch {start + 1}/{args.epochs}")
     batch, workers = args.batch_size // info.world_size, args.workers
     ranks = dict(rank=info.rank, world_size=info.world_size, local_world_size=info.local_world_size)
-    loader, sampler = datasets.build_dataloader(
-        train_set, batch, workers, True, seed=args.seed, **ranks
-    )
-    val_loader, _ = datasets.build_dataloader(val_set, 2 * batch, workers, False, **ranks)
+    loader, sampler = build_dataloader(train_set, batch, workers, True, seed=args.seed, **ranks)
+    val_loader, _ = build_dataloader(val_set, 2 * batch, workers, False, **ranks)
     where = f"{info.world_size} rank(s) on {info.device.type}, batch {args.batch_size}"
     dist.print0(f"{train_set.task} training: {where}, {args.epochs} epochs, in {save_dir}")
     t_start, img_s, epoch = time.time(), [], start - 1
@@ -399,8 +391,9 @@ def autoanchor(model: Model, train_set, thr: float, args) -> None:
     pixels = (model.head.anchors * stride).view(-1, 2).cpu().numpy()
     new = dist.run_on_main(check_anchors, train_set.labels, pixels, thr, args.imgsz, args.seed)
     if new is not None:
-        new = torch.from_numpy(new).to(stride).view_as(model.head.anchors)
-        model.head.anchors[:] = new / stride
+        model.head.anchors[:] = (
+            torch.from_numpy(new).to(stride).view_as(model.head.anchors) / stride
+        )
 
 
 def log_epoch(save_dir: Path, epoch, args, losses: dict, metrics, optimizer, img_s, task) -> None:

@@ -141,10 +141,8 @@ class YOLOLoss:
             lobj += self._bce(pi[..., 4], tobj, self.obj_pw) * self.balance[i]
         if seg_parts:
             lseg += self._seg_loss(seg_parts, protos, masks) * self.hyp["box"] / bs
-        lbox *= self.hyp["box"]
-        lobj *= self.hyp["obj"]
-        lcls *= self.hyp["cls"]
-        items = {"box": lbox, "seg": lseg, "obj": lobj, "cls": lcls}
+        hyp = self.hyp
+        items = dict(box=lbox * hyp["box"], seg=lseg, obj=lobj * hyp["obj"], cls=lcls * hyp["cls"])
         if protos is None:
             del items["seg"]
         loss = sum(items.values()) * bs * self.world_size
@@ -195,8 +193,8 @@ class YOLOLoss:
 
 
 class ClassifyLoss:
-    """yolov5's classification loss: the batch mean cross-entropy, label smoothed, of logits (bs, nc)
-    against targets (bs, 2) [image, cls]. Returns (loss, {"cls"})."""
+    """yolov5's classification loss: the batch mean cross-entropy, label smoothed, of logits
+    (bs, nc) against targets (bs, 2) [image, cls]. Returns (loss, {"cls"})."""
 
     def __init__(self, label_smoothing: float = 0.0):
         self.label_smoothing = label_smoothing
