@@ -140,10 +140,8 @@ def build_datasets(args, hyp: dict, model: Model, data: dict, info) -> tuple:
         return train, ClassifyDataset(data["val"][0], prefix="val: ", **kw)
     batch, cache = args.batch_size // info.world_size, None if args.cache == "off" else args.cache
     kw = dict(imgsz=args.imgsz, task=model.task, stride=int(model.stride.max()), nc=data["nc"])
-    kw |= dict(verbose=info.is_main, local_world_size=info.local_world_size, cache=cache)
-    train = YOLODataset(
-        data["train"], augment=True, hyp=hyp, batch_size=batch, prefix="train: ", **kw
-    )
+    kw |= dict(verbose=info.is_main, local_world_size=info.local_world_size, cache=cache, hyp=hyp)
+    train = YOLODataset(data["train"], augment=True, batch_size=batch, prefix="train: ", **kw)
     val = YOLODataset(data["val"], rect=True, batch_size=2 * batch, prefix="val: ", **kw)
     if model.task == "segment":
         train.check_polygons()
@@ -391,9 +389,8 @@ def autoanchor(model: Model, train_set, thr: float, args) -> None:
     pixels = (model.head.anchors * stride).view(-1, 2).cpu().numpy()
     new = dist.run_on_main(check_anchors, train_set.labels, pixels, thr, args.imgsz, args.seed)
     if new is not None:
-        model.head.anchors[:] = (
-            torch.from_numpy(new).to(stride).view_as(model.head.anchors) / stride
-        )
+        new = torch.from_numpy(new).to(stride).view_as(model.head.anchors)
+        model.head.anchors[:] = new / stride
 
 
 def log_epoch(save_dir: Path, epoch, args, losses: dict, metrics, optimizer, img_s, task) -> None:
@@ -455,10 +452,8 @@ def cli() -> None:
         sys.exit(f"train.py: {e}")
     except KeyboardInterrupt as e:
         why = str(e) or "SIGINT"
-        print(
-            f"train.py: stopped by {why}; weights/last.pt holds the last completed epoch",
-            file=sys.stderr,
-        )
+        last = "weights/last.pt holds the last completed epoch"
+        print(f"train.py: stopped by {why}; {last}", file=sys.stderr)
         sys.exit(143 if why == "SIGTERM" else 130)
 
 

@@ -88,7 +88,7 @@ def load(path: Path) -> dict:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-ONE_CPU_PROCESS = dist.DistInfo(0, 0, 1, 1, torch.device("cpu"))
+ONE_CPU_PROCESS = dist.DistInfo(0, 1, 1, torch.device("cpu"))
 
 
 def args_for(tiny, tmp_path, *extra):

@@ -16,11 +16,10 @@ import torch.distributed as dist
 
 @dataclass(frozen=True)
 class DistInfo:
-    """This process: global rank, local_rank (its GPU on the node), world_size, local_world_size
-    (processes on this node) and its torch device. Rank 0 is the main process."""
+    """This process: global rank, world_size, local_world_size (processes on this node) and its
+    torch device (under torchrun: the node's GPU local_rank). Rank 0 is the main process."""
 
     rank: int
-    local_rank: int
     world_size: int
     local_world_size: int
     device: torch.device
@@ -62,7 +61,7 @@ def setup(device: str = "", timeout_s: float = 600) -> DistInfo:
         store = dist.PrefixStore(f"yolo_min/attempt{attempt}", store)
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", store=store, **kw)
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return DistInfo(rank, local_rank, world_size, local_world_size, dev)
+    return DistInfo(rank, world_size, local_world_size, dev)
 
 
 def torchrun_id() -> str | None:
