@@ -19,11 +19,8 @@ _OFFSETS = torch.tensor([[0.0, 0.0], [1.0, 0.0], [0.0, 1.0], [-1.0, 0.0], [0.0, 
 def scale_hyp(hyp: dict, nc: int, imgsz: int, nl: int = 3) -> dict:
     """A copy of hyp with the loss gains, tuned for 80 classes, 640 pixels and 3 levels, rescaled
     as training does: cls ~ classes, obj ~ cells per image, all ~ 1 / levels."""
-    h = dict(hyp)
-    h["box"] *= 3 / nl
-    h["cls"] *= nc / 80 * 3 / nl
-    h["obj"] *= (imgsz / 640) ** 2 * 3 / nl
-    return h
+    gains = dict(box=3 / nl, cls=nc / 80 * 3 / nl, obj=(imgsz / 640) ** 2 * 3 / nl)
+    return hyp | {k: hyp[k] * gain for k, gain in gains.items()}
 
 
 def bbox_ciou(box1: torch.Tensor, box2: torch.Tensor, eps: float = 1e-7) -> torch.Tensor:
@@ -192,14 +189,10 @@ class YOLOLoss:
         return (total[counts > 0] / counts[counts > 0]).sum()
 
 
-class ClassifyLoss:
-    """yolov5's classification loss: the batch mean cross-entropy, label smoothed, of logits
-    (bs, nc) against targets (bs, 2) [image, cls]. Returns (loss, {"cls"})."""
+class ClassifyLoss(nn.CrossEntropyLoss):
+    """yolov5's classification loss: `ClassifyLoss(label_smoothing=...)(logits (bs, nc), targets
+    (bs, 2) [image, cls])` -> (the batch mean cross-entropy, {"cls"})."""
 
-    def __init__(self, label_smoothing: float = 0.0):
-        self.label_smoothing = label_smoothing
-
-    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        labels = targets[:, 1].long().to(logits.device)
-        loss = F.cross_entropy(logits.float(), labels, label_smoothing=self.label_smoothing)
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        loss = super().forward(logits.float(), targets[:, 1].long().to(logits.device))
         return loss, {"cls": loss.detach()}
