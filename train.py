@@ -3,8 +3,7 @@
     python train.py --cfg yolov5n-seg.yaml --data coco128-seg.yaml --epochs 100 --imgsz 640
     torchrun --standalone --nproc_per_node 4 train.py --data coco.yaml --batch-size 64  # global
 
-The cfg's head sets the task. A run lives in runs/train/exp, exp2, ...; --resume continues one
-exactly, and after a torchrun restart a run resumes by itself.
+--resume continues a run (runs/train/exp, exp2, ...) exactly; after a torchrun restart, by itself.
 """
 
 from __future__ import annotations
@@ -37,8 +36,7 @@ from yolo_min.models import CFG_DIR, Model, ModelEMA, amp_dtype, de_parallel, ma
 from yolo_min.plots import draw_batch, plot_results
 
 NOMINAL_BATCH = 64  # detection: gradients accumulate over this many images before a step
-HYP_FILES = {"detect": "hyp.scratch-low.yaml", "segment": "hyp.scratch-low.yaml"}
-HYP_FILES |= {"classify": "hyp.cls.yaml"}  # classify: no warmup, no accumulation
+HYP_FILES = {"classify": "hyp.cls.yaml"}  # no warmup, no accumulation; else hyp.scratch-low
 TASK_DEFAULTS = {"classify": dict(imgsz=224, batch_size=64, optimizer="Adam")}  # unless given
 DEFAULTS = dict(imgsz=640, batch_size=16, optimizer="SGD")
 OPTIMIZERS = {"SGD": torch.optim.SGD, "Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW}
@@ -82,7 +80,7 @@ def get_args_parser() -> argparse.ArgumentParser:
 # ---------------------------------------------------------------- builders
 def load_hyp(changes: str | dict, task: str = "detect") -> dict:
     """The task's recipe (HYP_FILES) with some values changed: a yaml file ('' none) or a dict."""
-    recipe = yaml.safe_load((CFG_DIR / HYP_FILES[task]).read_text())
+    recipe = yaml.safe_load((CFG_DIR / HYP_FILES.get(task, "hyp.scratch-low.yaml")).read_text())
     if isinstance(changes, str):
         changes = yaml.safe_load(Path(changes).read_text()) if changes else {}
     if not isinstance(changes, dict):
@@ -170,8 +168,7 @@ def lr_factor(epoch: int, epochs: int, lrf: float, cos: bool = False) -> float:
 
 
 def warmup(optimizer, it: int, warmup_iters: int, lf: float, hyp: dict, accumulate: float) -> int:
-    """Iteration `it` of the warmup: lr from warmup_bias_lr (biases) or 0 to the epoch's, momentum
-    from warmup_momentum; returns this iteration's accumulation (1 -> accumulate)."""
+    """Warmup: lr (biases: from warmup_bias_lr) and momentum ramp up; returns the accumulation."""
     xi = [0, warmup_iters]
     for g in optimizer.param_groups:
         start = hyp["warmup_bias_lr"] if g["bias"] else 0.0
@@ -192,7 +189,6 @@ def forward_loss(model, criterion: YOLOLoss, batch: dict, device, amp: torch.dty
 
 
 def optimizer_step(model, optimizer, scaler, ema: ModelEMA | None, max_norm=10.0) -> None:
-    """Unscale, clip the gradient norm, step, zero the gradients, update the EMA."""
     scaler.unscale_(optimizer)
     nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     scaler.step(optimizer)
@@ -245,8 +241,7 @@ def train_one_epoch(model, criterion, optimizer, scaler, ema, loader, epoch, arg
 
 
 def log_every(loader, every: int, header: str, stats: dict):
-    """Yield (i, batch); every `every` batches rank 0 prints progress, it/s, ETA, `stats` and the
-    peak memory (CUDA: reserved; CPU: the process's peak RSS)."""
+    """Yield (i, batch); every `every` batches rank 0 prints progress, it/s, ETA, stats, memory."""
     n, t0 = len(loader), time.time()
     for i, batch in enumerate(loader):
         yield i, batch
@@ -350,11 +345,10 @@ def fit(args, info) -> dict:
             metrics = evaluate(ema.ema, val_loader, val_set, amp=amp)
             best = max(best, (metrics["fitness"], epoch))  # equal fitness: the later epoch
         stop = metrics and args.patience and epoch - best[1] >= args.patience
-        final = stop or epoch + 1 == args.epochs
         rngs = dist.all_gather_object(checkpoint.rng_state())
         if info.is_main:
             log_epoch(save_dir, epoch, args, losses, metrics, optimizer, speed, train_set.task)
-            if final or not args.nosave:
+            if stop or epoch + 1 == args.epochs or not args.nosave:
                 opt = (optimizer, scaler, epoch, best, args, hyp, rngs)
                 state = checkpoint.training_state(de_parallel(model), ema, *opt)
                 checkpoint.save(state, save_dir / "weights" / "last.pt")
