@@ -3,11 +3,8 @@
     python train.py --cfg yolov5n-seg.yaml --data coco128-seg.yaml --epochs 100 --imgsz 640
     torchrun --standalone --nproc_per_node 4 train.py --data coco.yaml --batch-size 64  # global
 
-Read it top to bottom: the arguments; the builders (recipe, model, data, optimizer, schedule);
-`train_one_epoch`; `fit`, the epoch loop that validates, logs and saves; `main`. The task follows
-from the cfg's head, the recipe is yolo_min/cfg/hyp.scratch-low.yaml. A run lives in runs/train/exp,
-exp2, ...; --resume continues one exactly, and after a torchrun restart a run resumes by itself.
-This file starts no processes: the user or torchrun launches it once per rank.
+Read top to bottom: arguments, builders, train_one_epoch, fit (validate, log, save), main. --resume
+continues a run (runs/train/exp, exp2, ...) exactly; after a torchrun restart it does so by itself.
 """
 
 from __future__ import annotations
@@ -31,23 +28,16 @@ import yaml
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from val import AMP_HELP, evaluate, format_table, parse_kwargs, preprocess
-from yolo_min import checkpoint, dist
+from yolo_min import checkpoint, datasets, dist
 from yolo_min.anchors import check_anchors
-from yolo_min.datasets import (
-    ClassifyDataset,
-    YOLODataset,
-    build_dataloader,
-    check_task,
-    load_data_config,
-)
+from yolo_min.datasets import ClassifyDataset, YOLODataset, build_dataloader
 from yolo_min.losses import ClassifyLoss, YOLOLoss, scale_hyp
 from yolo_min.metrics import KINDS, metric_names
 from yolo_min.models import CFG_DIR, Model, ModelEMA, amp_dtype, de_parallel, make_divisible
 from yolo_min.plots import draw_batch, plot_results
 
 NOMINAL_BATCH = 64  # detection: gradients accumulate over this many images before a step
-HYP_FILES = {"detect": "hyp.scratch-low.yaml", "segment": "hyp.scratch-low.yaml"}
-HYP_FILES |= {"classify": "hyp.cls.yaml"}  # classify: no warmup, no accumulation
+HYP_FILES = {"classify": "hyp.cls.yaml"}  # no warmup, no accumulation; else hyp.scratch-low
 TASK_DEFAULTS = {"classify": dict(imgsz=224, batch_size=64, optimizer="Adam")}  # unless given
 DEFAULTS = dict(imgsz=640, batch_size=16, optimizer="SGD")
 OPTIMIZERS = {"SGD": torch.optim.SGD, "Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW}
@@ -91,7 +81,7 @@ def get_args_parser() -> argparse.ArgumentParser:
 # ---------------------------------------------------------------- builders
 def load_hyp(changes: str | dict, task: str = "detect") -> dict:
     """The task's recipe (HYP_FILES) with some values changed: a yaml file ('' none) or a dict."""
-    recipe = yaml.safe_load((CFG_DIR / HYP_FILES[task]).read_text())
+    recipe = yaml.safe_load((CFG_DIR / HYP_FILES.get(task, "hyp.scratch-low.yaml")).read_text())
     if isinstance(changes, str):
         changes = yaml.safe_load(Path(changes).read_text()) if changes else {}
     if not isinstance(changes, dict):
@@ -105,10 +95,10 @@ def load_hyp(changes: str | dict, task: str = "detect") -> dict:
 
 
 def check_args(args: argparse.Namespace, task: str, world_size: int) -> None:
-    """Command-line and resumed arguments alike: ConfigError unless usable; the task's defaults
-    for those not given."""
+    """ConfigError unless the arguments (given or resumed) are usable; the task's defaults."""
     for k, v in TASK_DEFAULTS.get(task, DEFAULTS).items():
-        setattr(args, k, v if getattr(args, k) is None else getattr(args, k))
+        if getattr(args, k) is None:
+            setattr(args, k, v)
     if min(args.epochs, args.log_every) < 1 or min(args.workers, args.patience) < 0:
         raise ConfigError("--epochs and --log-every must be >= 1, --workers and --patience >= 0")
     if args.imgsz < 32:
@@ -125,8 +115,7 @@ def check_args(args: argparse.Namespace, task: str, world_size: int) -> None:
 
 
 def build_model(args, data: dict, ckpt: dict | None) -> Model:
-    """The model: --cfg (a resumed run: its checkpoint's config) with data's classes, --weights
-    transferred (every tensor whose name and shape fit, but the anchors), --freeze applied."""
+    """--cfg (resumed: its own) with data's classes, --weights' fitting tensors, --freeze."""
     model = Model(ckpt["model_cfg"] if ckpt else args.cfg, nc=data["nc"])
     if args.weights and not ckpt:
         have, src = model.state_dict(), checkpoint.load_model(args.weights).state_dict()
@@ -142,29 +131,24 @@ def build_model(args, data: dict, ckpt: dict | None) -> Model:
 
 
 def build_datasets(args, hyp: dict, model: Model, data: dict, info) -> tuple:
-    """(train, val) YOLODatasets: mosaic augmentation, and rect letterboxed batches; for a
-    classifier ClassifyDatasets of folders (data without a yaml file)."""
-    check_task(data, model.task)
+    """(train, val): YOLODatasets (mosaic; rect val batches), or a classifier's ClassifyDatasets."""
+    datasets.check_task(data, model.task)
     if model.task == "classify":
         kw = dict(imgsz=args.imgsz, verbose=info.is_main)
         train = ClassifyDataset(data["train"][0], augment=True, prefix="train: ", **kw)
         return train, ClassifyDataset(data["val"][0], prefix="val: ", **kw)
-    stride, batch = int(model.stride.max()), args.batch_size // info.world_size
-    kw = dict(imgsz=args.imgsz, task=model.task, stride=stride, nc=data["nc"])
-    kw |= dict(verbose=info.is_main, local_world_size=info.local_world_size)
-    kw |= dict(cache=None if args.cache == "off" else args.cache)
-    train_set = YOLODataset(
-        data["train"], augment=True, hyp=hyp, batch_size=batch, **kw, prefix="train: "
-    )
-    val_set = YOLODataset(data["val"], rect=True, batch_size=2 * batch, **kw, prefix="val: ")
+    batch, cache = args.batch_size // info.world_size, None if args.cache == "off" else args.cache
+    kw = dict(imgsz=args.imgsz, task=model.task, stride=int(model.stride.max()), nc=data["nc"])
+    kw |= dict(verbose=info.is_main, local_world_size=info.local_world_size, cache=cache, hyp=hyp)
+    train = YOLODataset(data["train"], augment=True, batch_size=batch, prefix="train: ", **kw)
+    val = YOLODataset(data["val"], rect=True, batch_size=2 * batch, prefix="val: ", **kw)
     if model.task == "segment":
-        train_set.check_polygons()
-    return train_set, val_set
+        train.check_polygons()
+    return train, val
 
 
 def build_optimizer(model: nn.Module, lr: float, momentum: float, decay: float, name="SGD"):
-    """An optimizer (Nesterov SGD, Adam with beta1 = momentum, ...) in 3 groups: 0 biases and 1
-    BatchNorm weights without weight decay, 2 the other weights with it."""
+    """Nesterov SGD (Adam: beta1 = momentum); groups: biases, BatchNorm weights (no decay), rest."""
     groups = [[], [], []]
     for m in model.modules():
         for kind, p in m.named_parameters(recurse=False):
@@ -172,11 +156,9 @@ def build_optimizer(model: nn.Module, lr: float, momentum: float, decay: float, 
             groups[0 if kind == "bias" else 1 if norm else 2].append(p)
     kw = [dict(weight_decay=0.0, bias=True), dict(weight_decay=0.0), dict(weight_decay=decay)]
     groups = [dict(params=g, initial_lr=lr, bias=False) | k for g, k in zip(groups, kw)]
-    if name == "SGD":
-        return torch.optim.SGD(groups, lr=lr, momentum=momentum, nesterov=True)
-    if "Adam" in name:
-        return OPTIMIZERS[name](groups, lr=lr, betas=(momentum, 0.999))
-    return OPTIMIZERS[name](groups, lr=lr, momentum=momentum)
+    kw = dict(betas=(momentum, 0.999)) if "Adam" in name else dict(momentum=momentum)
+    kw |= dict(nesterov=True) if name == "SGD" else {}
+    return OPTIMIZERS[name](groups, lr=lr, **kw)
 
 
 def lr_factor(epoch: int, epochs: int, lrf: float, cos: bool = False) -> float:
@@ -187,8 +169,7 @@ def lr_factor(epoch: int, epochs: int, lrf: float, cos: bool = False) -> float:
 
 
 def warmup(optimizer, it: int, warmup_iters: int, lf: float, hyp: dict, accumulate: float) -> int:
-    """Iteration `it` of the warmup: lr from warmup_bias_lr (biases) or 0 (others) to the epoch's,
-    momentum from warmup_momentum to momentum; returns this iteration's accumulation (1 -> full)."""
+    """Warmup: lr (biases: from warmup_bias_lr) and momentum ramp up; returns the accumulation."""
     xi = [0, warmup_iters]
     for g in optimizer.param_groups:
         start = hyp["warmup_bias_lr"] if g["bias"] else 0.0
@@ -199,8 +180,7 @@ def warmup(optimizer, it: int, warmup_iters: int, lf: float, hyp: dict, accumula
 
 # ---------------------------------------------------------------- one epoch
 def forward_loss(model, criterion: YOLOLoss, batch: dict, device, amp: torch.dtype | None):
-    """(loss to backpropagate, named loss items) of one batch: the model under autocast to amp
-    (None: float32), the loss in float32."""
+    """(loss, loss items) of a batch: the model under autocast to amp (None: fp32), loss in fp32."""
     classify = de_parallel(model).task == "classify"
     images, targets = preprocess(batch["images"], device, classify), batch["targets"].to(device)
     masks = batch["masks"].to(device) if batch.get("masks") is not None else None
@@ -210,7 +190,6 @@ def forward_loss(model, criterion: YOLOLoss, batch: dict, device, amp: torch.dty
 
 
 def optimizer_step(model, optimizer, scaler, ema: ModelEMA | None, max_norm=10.0) -> None:
-    """Unscale, clip the gradient norm, step, zero the gradients, update the EMA."""
     scaler.unscale_(optimizer)
     nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     scaler.step(optimizer)
@@ -221,9 +200,8 @@ def optimizer_step(model, optimizer, scaler, ema: ModelEMA | None, max_norm=10.0
 
 
 def train_one_epoch(model, criterion, optimizer, scaler, ema, loader, epoch, args, hyp, save_dir):
-    """One epoch: detection's warmup and gradient accumulation to NOMINAL_BATCH images, no
-    all-reduce until the step, a stop on a non-finite loss (every rank at once), progress on rank
-    0. Returns the mean loss items and the throughput ("img/s")."""
+    """One epoch: detection's warmup and accumulation to NOMINAL_BATCH images, no all-reduce until
+    the step, a stop on a non-finite loss (every rank at once). Returns (mean loss items, img/s)."""
     model.train()
     device, n, detect = next(model.parameters()).device, len(loader), "warmup_epochs" in hyp
     amp = amp_dtype(device, args.amp)
@@ -231,10 +209,10 @@ def train_one_epoch(model, criterion, optimizer, scaler, ema, loader, epoch, arg
     for g in optimizer.param_groups:
         g["lr"] = g["initial_lr"] * lf
     warmup_iters = max(round(hyp.get("warmup_epochs", 0) * n), 100)
-    batch_size, last = args.batch_size, save_dir / "weights" / "last.pt"
+    batch_size = args.batch_size
     accumulate = max(round(NOMINAL_BATCH / batch_size), 1) if detect else 1
     last_step = epoch * n - 1  # every epoch ends with a step: no gradients pending at a checkpoint
-    mean, stats, t0 = None, {}, time.time()
+    mean, stats, t0 = 0.0, {}, time.time()
     for i, batch in log_every(loader, args.log_every, f"epoch {epoch + 1}/{args.epochs}", stats):
         it = i + n * epoch
         if detect and it <= warmup_iters:
@@ -245,15 +223,14 @@ def train_one_epoch(model, criterion, optimizer, scaler, ema, loader, epoch, arg
             loss, items = forward_loss(model, criterion, batch, device, amp)
             values = dist.reduce_mean(torch.stack(list(items.values()))).cpu()
             if not torch.isfinite(values).all():  # the same on every rank: all stop together
-                where = f"at epoch {epoch + 1}, iteration {i + 1}: training stopped"
-                raise FloatingPointError(
-                    f"non-finite loss {values.tolist()} {where}; the last good checkpoint is {last}"
-                )
+                where = f"at epoch {epoch + 1}, iteration {i + 1}: training stopped; the last good"
+                last = f"checkpoint is {save_dir / 'weights' / 'last.pt'}"
+                raise FloatingPointError(f"non-finite loss {values.tolist()} {where} {last}")
             scaler.scale(loss).backward()
         if step:
             optimizer_step(model, optimizer, scaler, ema)
             last_step = it
-        mean = values if mean is None else (mean * i + values) / (i + 1)
+        mean = (mean * i + values) / (i + 1)
         stats.update(dict(zip(items, mean.tolist())), instances=len(batch["targets"]))
         if it == 0 and detect and dist.is_main():
             labels = (batch["images"], batch["targets"], batch["masks"], batch["paths"])
@@ -265,8 +242,7 @@ def train_one_epoch(model, criterion, optimizer, scaler, ema, loader, epoch, arg
 
 
 def log_every(loader, every: int, header: str, stats: dict):
-    """Yield (i, batch); rank 0 prints progress, it/s, ETA, `stats` and the peak memory every
-    `every` batches (CUDA: reserved; CPU: the process's peak RSS)."""
+    """Yield (i, batch); every `every` batches rank 0 prints progress, it/s, ETA, stats, memory."""
     n, t0 = len(loader), time.time()
     for i, batch in enumerate(loader):
         yield i, batch
@@ -282,8 +258,7 @@ def log_every(loader, every: int, header: str, stats: dict):
 
 # ---------------------------------------------------------------- resume
 def resumed_args(cli, path: str, ckpt: dict) -> argparse.Namespace:
-    """The resumed run's own arguments, checked as command-line ones; only --device and --amp may
-    change."""
+    """The resumed run's own arguments, checked; only --device and --amp may change."""
     defaults = vars(get_args_parser().parse_args([]))
     stored = ckpt["args"]  # a dict: checkpoint.load checked
     types = {k: type(DEFAULTS[k] if v is None else v) for k, v in defaults.items()}
@@ -292,11 +267,11 @@ def resumed_args(cli, path: str, ckpt: dict) -> argparse.Namespace:
         raise ConfigError(f"--resume: {path}: not train.py's arguments ({wrong or sorted(stored)})")
     if cli.resume and ckpt["epoch"] + 1 >= stored["epochs"]:
         raise ConfigError(f"--resume: {path}: the run is finished; start a new one (--weights)")
-    given = [k for k, v in vars(cli).items() if v != defaults[k]]
-    if ignored := [k for k in given if k not in ("resume", "device", "amp")]:
+    own = {"resume": path, "device": cli.device, "amp": cli.amp}  # all else is the run's own
+    if ignored := [k for k, v in vars(cli).items() if v != defaults[k] and k not in own]:
         flags = ", ".join("--" + k.replace("_", "-") for k in ignored)
         dist.print0(f"warning: --resume continues {path} with its own arguments; ignoring {flags}")
-    return argparse.Namespace(**(stored | {"resume": path, "device": cli.device, "amp": cli.amp}))
+    return argparse.Namespace(**(stored | own))
 
 
 # ---------------------------------------------------------------- the run
@@ -309,7 +284,7 @@ def prepare(args, info) -> tuple:
             args, ckpt = resumed_args(args, *resumed), resumed[1]
         torch.manual_seed(args.seed)  # the same initial weights on every rank
         with dist.main_first():  # local rank 0 first: it writes the label caches (and shapes)
-            data = load_data_config(args.data)
+            data = datasets.load_data_config(args.data)
             model = build_model(args, data, ckpt)
             check_args(args, model.task, info.world_size)
             hyp = load_hyp(ckpt["hyp"] if ckpt else args.hyp, model.task)
@@ -323,21 +298,16 @@ def prepare(args, info) -> tuple:
 
 def build_training(model: Model, hyp: dict, args, info) -> tuple:
     """(the model to train: DDP-wrapped under torchrun, criterion, optimizer, AMP scaler, EMA)."""
-    decay = hyp["weight_decay"]
+    decay, criterion = hyp["weight_decay"], ClassifyLoss(label_smoothing=hyp["label_smoothing"])
     if model.task != "classify":  # detection's decay is for NOMINAL_BATCH images a step
         decay *= args.batch_size * max(round(NOMINAL_BATCH / args.batch_size), 1) / NOMINAL_BATCH
-    opt = (hyp["lr0"], hyp["momentum"], decay, args.optimizer)
-    optimizer = build_optimizer(model, *opt)
+        loss_hyp = scale_hyp(hyp, model.nc, args.imgsz, model.head.nl)
+        criterion = YOLOLoss(model, loss_hyp, info.world_size)
+    optimizer = build_optimizer(model, hyp["lr0"], hyp["momentum"], decay, args.optimizer)
     amp = amp_dtype(info.device, args.amp)  # channels_last: the faster layout under autocast
     model = model.to(memory_format=torch.channels_last if amp else None)
     scaler = torch.amp.GradScaler("cuda", enabled=amp == torch.float16)  # fp16 needs loss scaling
     ema = ModelEMA(model)
-    if model.task == "classify":
-        criterion = ClassifyLoss(hyp["label_smoothing"])
-    else:
-        criterion = YOLOLoss(
-            model, scale_hyp(hyp, model.nc, args.imgsz, model.head.nl), info.world_size
-        )
     if info.world_size > 1:
         if args.sync_bn and info.device.type == "cuda":
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
@@ -346,8 +316,7 @@ def build_training(model: Model, hyp: dict, args, info) -> tuple:
 
 
 def fit(args, info) -> dict:
-    """Train. Returns {"save_dir", "epochs" (the last epoch run), "best_fitness", "metrics"
-    (best.pt validated at the end), "img_s" (training throughput per epoch)}."""
+    """Train. Returns {save_dir, epochs (the last run), best_fitness, metrics (best.pt), img_s}."""
     args, ckpt, hyp, model, train_set, val_set, save_dir = prepare(args, info)
     for seed in (random.seed, np.random.seed, torch.manual_seed):
         seed(args.seed + info.rank)  # augmentation has its own seeds, per sample
@@ -377,11 +346,10 @@ def fit(args, info) -> dict:
             metrics = evaluate(ema.ema, val_loader, val_set, amp=amp)
             best = max(best, (metrics["fitness"], epoch))  # equal fitness: the later epoch
         stop = metrics and args.patience and epoch - best[1] >= args.patience
-        final = stop or epoch + 1 == args.epochs
         rngs = dist.all_gather_object(checkpoint.rng_state())
         if info.is_main:
             log_epoch(save_dir, epoch, args, losses, metrics, optimizer, speed, train_set.task)
-            if final or not args.nosave:
+            if stop or epoch + 1 == args.epochs or not args.nosave:
                 opt = (optimizer, scaler, epoch, best, args, hyp, rngs)
                 state = checkpoint.training_state(de_parallel(model), ema, *opt)
                 checkpoint.save(state, save_dir / "weights" / "last.pt")
@@ -395,7 +363,7 @@ def fit(args, info) -> dict:
     dist.print0(f"{epoch + 1 - start} epochs in {(time.time() - t_start) / 3600:.3f} hours")
     metrics = final_validation(ema, val_loader, val_set, save_dir, amp)
     out = dict(save_dir=str(save_dir), epochs=epoch + 1, best_fitness=best[0], metrics=metrics)
-    return out | {"img_s": img_s}
+    return out | dict(img_s=img_s)
 
 
 def resume(ckpt: dict, model: Model, ema, optimizer, scaler, args, info) -> tuple[int, tuple]:
@@ -405,15 +373,12 @@ def resume(ckpt: dict, model: Model, ema, optimizer, scaler, args, info) -> tupl
     except checkpoint.CheckpointError as e:
         raise ConfigError(f"--resume: {args.resume}: {e}") from None
     if not ok:
-        saved = ckpt["rng"]["world_size"]
-        dist.print0(
-            f"warning: saved with world size {saved}, resumed with {info.world_size}: "
-            "random states are not restored (not an exact resume)"
-        )
+        sizes = f"saved with world size {ckpt['rng']['world_size']}, resumed with {info.world_size}"
+        dist.print0(f"warning: {sizes}: random states are not restored (not an exact resume)")
     return ckpt["epoch"] + 1, (ckpt["best_fitness"], ckpt["best_epoch"])
 
 
-def autoanchor(model: Model, train_set: YOLODataset, thr: float, args) -> None:
+def autoanchor(model: Model, train_set, thr: float, args) -> None:
     """AutoAnchor on rank 0, in pixels; every rank gets its anchors, in grid units."""
     stride = model.stride.view(-1, 1, 1).to(model.head.anchors)
     pixels = (model.head.anchors * stride).view(-1, 2).cpu().numpy()
@@ -463,8 +428,7 @@ def main(args: argparse.Namespace) -> dict:
 
 
 def run(**kwargs) -> dict:
-    """train.py from Python: `train.run(cfg="yolov5n-seg.yaml", epochs=3)` returns fit's dict;
-    a script calling it under torchrun trains data-parallel."""
+    """train.py from Python: `train.run(cfg="yolov5n-seg.yaml", epochs=3)` returns fit's dict."""
     return main(parse_kwargs(get_args_parser(), kwargs))
 
 

@@ -103,7 +103,7 @@ def main():
         batch = classify_batch if classify else lambda seed: make_batch(seed, segment)
         halves = [batch(seed) for seed in (1, 2)]  # rank 0's micro-batches
         halves = [halves, [mirrored(b) for b in halves]]  # rank 1's
-        single_info = dist.DistInfo(0, 0, 1, 1, torch.device("cpu"))
+        single_info = dist.DistInfo(0, 1, 1, torch.device("cpu"))
         whole = [joined(a, b) for a, b in zip(*halves)]
         single = one_epoch(deepcopy(model), whole, single_info, args, hyp)
         ddp = one_epoch(deepcopy(model), halves[info.rank], info, args, hyp)

@@ -88,7 +88,7 @@ def load(path: Path) -> dict:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-ONE_CPU_PROCESS = dist.DistInfo(0, 0, 1, 1, torch.device("cpu"))
+ONE_CPU_PROCESS = dist.DistInfo(0, 1, 1, torch.device("cpu"))
 
 
 def args_for(tiny, tmp_path, *extra):
@@ -310,7 +310,7 @@ def test_cache_that_does_not_fit_is_a_config_error(tiny, tmp_path, monkeypatch):
 
 def test_imgsz_is_rounded_up_with_a_warning(tiny, tmp_path, capsys):
     args = args_for(tiny, tmp_path, "--imgsz", "65")
-    train.check_args(args, world_size=1)
+    train.check_args(args, "detect", world_size=1)
     assert args.imgsz == 96 and "warning: --imgsz 65 is not a multiple of 32, using 96" in capsys.readouterr().out
 
 

@@ -238,7 +238,8 @@ def test_bf16_learns_as_fp32_does(tmp_path, small_shapes):
     batches = list(build_dataloader(ds, 16, 0, shuffle=False)[0])
     torch.manual_seed(0)
     args = args_for(tmp_path, "--imgsz", "128", "--batch-size", "64", "--amp", "on")
-    info = dist.DistInfo(0, 0, 1, 1, torch.device("cpu"))
+    train.check_args(args, "detect", 1)  # the task's defaults: --optimizer SGD
+    info = dist.DistInfo(0, 1, 1, torch.device("cpu"))
     hyp = train.load_hyp({"lr0": 0.03, "weight_decay": 0.0})
     model, criterion, optimizer, scaler, _ = train.build_training(Model(nc=3), hyp, args, info)
     assert model.model[0].conv.weight.is_contiguous(memory_format=torch.channels_last)

@@ -1,9 +1,5 @@
-"""AutoAnchor: check that the anchors suit the training labels; re-fit them when they do not.
-
-A label box is recallable by an anchor when its width and height ratios to it both lie within
-[1/thr, thr] (thr = anchor_t, 4.0). The best possible recall (BPR) is the share of label boxes some
-anchor can recall. Below 0.98, k-means on the label sizes and a genetic evolution of the fitness
-propose new anchors, kept only if their BPR is higher. Everything here is in pixels.
+"""AutoAnchor, in pixels: the best possible recall (BPR) is the share of label boxes whose w and h
+ratios to some anchor lie in [1/thr, thr]. Below 0.98, k-means and an evolution propose new anchors.
 """
 
 from __future__ import annotations
@@ -14,15 +10,14 @@ MAX_BOXES = 10_000  # label boxes AutoAnchor measures and fits (yolov5: all of t
 
 
 def label_wh(labels: list[dict], imgsz: int, rng: np.random.Generator) -> np.ndarray:
-    """(n, 2) label box sizes in pixels at training size (long side imgsz), each image scaled by
-    U(0.9, 1.1) like training's scale jitter; at most MAX_BOXES of them, a random sample (bounds
-    AutoAnchor's time). labels: the dataset's (normalised xywh `bboxes`)."""
+    """(n, 2) the dataset's label box sizes in pixels at training size, each image scaled by
+    U(0.9, 1.1) like training's jitter; a random sample of at most MAX_BOXES (bounds the time)."""
     wh = []
     for lab in labels:
         if len(lab["bboxes"]):
             scale = imgsz / max(lab["shape"]) * rng.uniform(0.9, 1.1)
             wh.append(lab["bboxes"][:, 2:4] * np.array(lab["shape"][::-1]) * scale)
-    wh = np.concatenate(wh).astype(np.float32) if wh else np.zeros((0, 2), np.float32)
+    wh = np.concatenate([np.zeros((0, 2)), *wh]).astype(np.float32)
     return wh[rng.choice(len(wh), MAX_BOXES, replace=False)] if len(wh) > MAX_BOXES else wh
 
 
@@ -82,8 +77,7 @@ def fit_anchors(wh: np.ndarray, n: int = 9, thr: float = 4.0, gens=1000, seed=0)
 
 
 def check_anchors(labels, anchors: np.ndarray, thr=4.0, imgsz=640, seed=0) -> np.ndarray | None:
-    """Print the BPR of `anchors` (n, 2) on the dataset's labels; below 0.98 return better ones
-    (pixels, in the same order of levels), else None."""
+    """Print the BPR of `anchors` (n, 2) on the labels; below 0.98 return better ones, else None."""
     wh = label_wh(labels, imgsz, np.random.default_rng(seed))
     if not len(wh):
         return None

@@ -1,8 +1,5 @@
-"""torchrun plumbing: the only module of yolo_min that knows ranks; only the entry scripts use it.
-
-`setup()` reads RANK, LOCAL_RANK and WORLD_SIZE (absent: one process, rank 0), picks the device and
-backend (nccl on CUDA, gloo on CPU) and initialises the process group. Every helper is the identity
-or a no-op without a group, so the same code runs at world size 1. Nothing happens at import.
+"""torchrun plumbing, the only module of yolo_min that knows ranks. Without a process group every
+helper is the identity or a no-op, so the same code runs in one process. Nothing runs at import.
 """
 
 from __future__ import annotations
@@ -19,11 +16,10 @@ import torch.distributed as dist
 
 @dataclass(frozen=True)
 class DistInfo:
-    """This process: global rank, local_rank (its GPU on the node), world_size, local_world_size
-    (processes on this node) and its torch device. Rank 0 is the main process."""
+    """This process: global rank, world_size, local_world_size (processes on this node) and its
+    torch device (under torchrun: the node's GPU local_rank). Rank 0 is the main process."""
 
     rank: int
-    local_rank: int
     world_size: int
     local_world_size: int
     device: torch.device
@@ -35,9 +31,7 @@ class DistInfo:
 
 def select_device(device: str = "") -> torch.device:
     """'' -> cuda:0 if available else cpu; 'cpu'; 'cuda'; '0' or 'cuda:1'."""
-    device = str(device).strip().lower()
-    if device in ("", "auto"):
-        return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    device = str(device).strip().lower() or ("cuda:0" if torch.cuda.is_available() else "cpu")
     device = f"cuda:{device}" if device.isdigit() else device
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {device} asked for CUDA, but torch sees no CUDA device")
@@ -48,10 +42,10 @@ def select_device(device: str = "") -> torch.device:
 
 
 def setup(device: str = "", timeout_s: float = 600) -> DistInfo:
-    """Initialise the process group when launched by torchrun; return this process's facts."""
+    """Read torchrun's RANK, LOCAL_RANK, WORLD_SIZE (absent: one process), pick the device and
+    initialise the process group (nccl on CUDA, gloo on CPU); return this process's facts."""
+    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     dev = select_device(device)
     if world_size > 1 and dev.type == "cuda":
         dev = torch.device("cuda", local_rank)  # under torchrun each rank owns one GPU
@@ -65,22 +59,20 @@ def setup(device: str = "", timeout_s: float = 600) -> DistInfo:
         store.set_timeout(timeout)
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         store = dist.PrefixStore(f"yolo_min/attempt{attempt}", store)
-        backend = "nccl" if dev.type == "cuda" else "gloo"
-        dist.init_process_group(backend, store=store, **kw)
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", store=store, **kw)
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return DistInfo(rank, local_rank, world_size, local_world_size, dev)
+    return DistInfo(rank, world_size, local_world_size, dev)
 
 
 def torchrun_id() -> str | None:
     """Under torchrun, an id of this run that survives its restarts (None without torchrun)."""
     run_id = os.environ.get("TORCHELASTIC_RUN_ID")
     if run_id == "none":  # a static rendezvous: rank 0's launcher lives through the restarts
-        run_id = f"{socket.gethostname()}:{os.getppid()}"
+        return f"{socket.gethostname()}:{os.getppid()}"
     return run_id
 
 
 def cleanup() -> None:
-    """Destroy the process group, if one was initialised (call it in a `finally`)."""
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -90,7 +82,6 @@ def _active() -> bool:
 
 
 def is_main() -> bool:
-    """True on rank 0 (and without a process group)."""
     return not _active() or dist.get_rank() == 0
 
 
@@ -100,26 +91,17 @@ def barrier() -> None:
 
 
 def all_gather_object(obj) -> list:
-    """Every rank's `obj`, in rank order (a one-element list at world size 1)."""
-    if not _active():
-        return [obj]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
+    """Every rank's `obj`, in rank order."""
+    out = [obj] * (dist.get_world_size() if _active() else 1)
+    if _active():
+        dist.all_gather_object(out, obj)
     return out
 
 
-def broadcast_object(obj, src: int = 0):
-    """Rank `src`'s `obj`, on every rank."""
-    box = [obj]
-    if _active():
-        dist.broadcast_object_list(box, src=src)
-    return box[0]
-
-
-def broadcast_tensors(tensors, src: int = 0) -> None:
-    """Overwrite each tensor in place with rank `src`'s (e.g. a model's state_dict values)."""
+def broadcast_tensors(tensors) -> None:
+    """Overwrite each tensor in place with rank 0's (e.g. a model's state_dict values)."""
     for t in tensors if _active() else ():
-        dist.broadcast(t, src)
+        dist.broadcast(t, 0)
 
 
 def reduce_mean(t: torch.Tensor) -> torch.Tensor:
@@ -134,13 +116,15 @@ def reduce_mean(t: torch.Tensor) -> torch.Tensor:
 def run_on_main(fn, *args):
     """fn(*args) on rank 0, its result on every rank. A ValueError raised there is raised on every
     rank, so that no rank waits in a collective for one that gave up."""
-    result, error = None, None
+    box = [(None, None)]
     if is_main():
         try:
-            result = fn(*args)
+            box = [(fn(*args), None)]
         except ValueError as e:
-            error = e
-    result, error = broadcast_object((result, error))
+            box = [(None, e)]
+    if _active():
+        dist.broadcast_object_list(box, src=0)
+    result, error = box[0]
     if error is not None:
         raise error
     return result
@@ -161,6 +145,5 @@ def main_first():
 
 
 def print0(*args, **kwargs) -> None:
-    """print on rank 0 only."""
     if is_main():
         print(*args, **kwargs, flush=True)

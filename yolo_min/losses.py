@@ -1,9 +1,5 @@
-"""YOLOv5's training losses: target assignment, CIoU box loss, objectness, class and mask BCE.
-
-YOLOLoss is one implementation for detection and instance segmentation (segment adds the mask
-term); it equals yolov5's ComputeLoss to relative 1e-5 (fixtures loss_*.pt). ClassifyLoss is
-classification's cross-entropy.
-"""
+"""YOLOv5's training losses: YOLOLoss (target assignment, CIoU box, objectness, class and mask
+BCE; equal to yolov5's ComputeLoss, fixtures loss_*.pt) and ClassifyLoss, a cross-entropy."""
 
 from __future__ import annotations
 
@@ -23,18 +19,13 @@ _OFFSETS = torch.tensor([[0.0, 0.0], [1.0, 0.0], [0.0, 1.0], [-1.0, 0.0], [0.0, 
 def scale_hyp(hyp: dict, nc: int, imgsz: int, nl: int = 3) -> dict:
     """A copy of hyp with the loss gains, tuned for 80 classes, 640 pixels and 3 levels, rescaled
     as training does: cls ~ classes, obj ~ cells per image, all ~ 1 / levels."""
-    h = dict(hyp)
-    h["box"] *= 3 / nl
-    h["cls"] *= nc / 80 * 3 / nl
-    h["obj"] *= (imgsz / 640) ** 2 * 3 / nl
-    return h
+    gains = dict(box=3 / nl, cls=nc / 80 * 3 / nl, obj=(imgsz / 640) ** 2 * 3 / nl)
+    return hyp | {k: hyp[k] * gain for k, gain in gains.items()}
 
 
 def bbox_ciou(box1: torch.Tensor, box2: torch.Tensor, eps: float = 1e-7) -> torch.Tensor:
-    """Complete IoU of paired boxes box1 (n, 4), box2 (n, 4), both xywh (centre, size) -> (n,).
-
-    CIoU = IoU - centre distance^2 / enclosing diagonal^2 - alpha * v (aspect term); alpha is held
-    constant for the gradient, as in the CIoU paper and yolov5."""
+    """Complete IoU (n,) of paired xywh boxes box1, box2 (n, 4): IoU - centre distance^2 /
+    enclosing diagonal^2 - alpha * v (aspect term), alpha constant for the gradient (as yolov5)."""
     (x1, y1, w1, h1), (x2, y2, w2, h2) = box1.unbind(-1), box2.unbind(-1)
     l1, r1, t1, b1 = x1 - w1 / 2, x1 + w1 / 2, y1 - h1 / 2, y1 + h1 / 2
     l2, r2, t2, b2 = x2 - w2 / 2, x2 + w2 / 2, y2 - h2 / 2, y2 + h2 / 2
@@ -54,19 +45,12 @@ def bbox_ciou(box1: torch.Tensor, box2: torch.Tensor, eps: float = 1e-7) -> torc
 class YOLOLoss:
     """yolov5's loss for a Detect or Segment head: `criterion(preds, targets[, masks])`.
 
-    preds: the model's train-mode output: detect, a list of nl raw maps (bs, na, ny, nx, 5+nc+nm);
-        segment, (maps, protos (bs, nm, Hp, Wp)).
-    targets: (N, 6) [img_idx, cls, cx, cy, w, h], xywh normalised to the input image (0..1).
-    masks (segment): (bs, Hm, Wm) float overlap index maps: value k marks the k-th target of that
-        image (1-based, in targets order), 0 background; resized (nearest) to the protos if needed.
-    Returns (loss to backpropagate, items): items {"box", "obj", "cls"} (segment: also "seg"),
-    detached scalars, each a per-image mean.
-
-    The gradient scale, decided here only: loss = sum(items) * bs * world_size. Each item is a
-    per-image loss, so times the local batch size it sums this rank's images; DDP *averages*
-    gradients over ranks, which the factor world_size undoes: the optimizer sees the gradient of the
-    summed per-image losses of the global batch at any world size (yolov5 multiplies by bs here and
-    by WORLD_SIZE in train.py). hyp: the recipe's loss keys, rescaled with `scale_hyp`.
+    preds: train-mode output, nl raw maps (bs, na, ny, nx, 5+nc+nm); segment: (maps, protos
+        (bs, nm, Hp, Wp)). targets: (N, 6) [img_idx, cls, cx, cy, w, h], xywh normalised.
+    masks (segment): (bs, Hm, Wm) overlap index maps, value k = the image's k-th target (1-based).
+    Returns (loss, items {"box", ["seg",] "obj", "cls"}: detached per-image means).
+    loss = sum(items) * bs * world_size: the summed per-image losses of the global batch, as DDP
+    averages gradients over ranks. hyp: the recipe's loss keys rescaled by `scale_hyp`.
     """
 
     def __init__(self, model: nn.Module, hyp: dict, world_size: int = 1):
@@ -92,12 +76,9 @@ class YOLOLoss:
         return loss.mean()
 
     def _assign(self, i: int, targets: torch.Tensor, ny: int, nx: int):
-        """Positives of level i, in yolov5's order (offset-major, then anchor, then target).
-
-        Returns b, a, gj, gi (n,) cell indices; tbox (n, 4) xywh in grid units, xy relative to cell
-        (gj, gi); anchor wh (n, 2) grid units; k (n,) row of `targets` each positive comes from;
-        xywhn (n, 4) its target box normalised, recovered from grid units as yolov5 does (the mask
-        crop compares pixel indices with it, so an ulp can matter)."""
+        """Positives of level i in yolov5's order (offset, anchor, target): b, a, gj, gi (n,) cells;
+        tbox (n, 4) grid xywh, xy from the cell; anchor wh (n, 2) grid; k (n,) the target's row;
+        xywhn (n, 4) its box normalised back from grid units as yolov5 (the mask crop sees ulps)."""
         anchors = self.head.anchors[i].to(targets.device)  # (na, 2) grid units
         gain = targets.new_tensor([nx, ny, nx, ny])
         gxywh = targets[:, 2:6] * gain  # (nt, 4) grid units
@@ -114,9 +95,7 @@ class YOLOLoss:
         tbox = torch.cat((gxy - gij, gxywh[k, 2:]), 1)
         return targets[k, 0].long(), a, gij[:, 1], gij[:, 0], tbox, anchors[a], k, (gxywh / gain)[k]
 
-    def __call__(
-        self, preds: list | tuple, targets: torch.Tensor, masks: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, dict]:
+    def __call__(self, preds, targets: torch.Tensor, masks: torch.Tensor | None = None) -> tuple:
         maps, protos = preds if self.nm else (preds, None)
         if protos is not None and masks is None:
             raise ValueError("YOLOLoss: a segmentation model needs masks (bs, H/4, W/4)")
@@ -159,21 +138,17 @@ class YOLOLoss:
             lobj += self._bce(pi[..., 4], tobj, self.obj_pw) * self.balance[i]
         if seg_parts:
             lseg += self._seg_loss(seg_parts, protos, masks) * self.hyp["box"] / bs
-        lbox *= self.hyp["box"]
-        lobj *= self.hyp["obj"]
-        lcls *= self.hyp["cls"]
-        items = {"box": lbox, "seg": lseg, "obj": lobj, "cls": lcls}
+        hyp = self.hyp
+        items = dict(box=lbox * hyp["box"], seg=lseg, obj=lobj * hyp["obj"], cls=lcls * hyp["cls"])
         if protos is None:
             del items["seg"]
         loss = sum(items.values()) * bs * self.world_size
         return loss, {k: v.detach()[0] for k, v in items.items()}
 
     def _seg_loss(self, parts: list, protos: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
-        """Sum over levels and images of the per-image mean mask loss of the positives.
-
-        parts: per level (b (n,), coefs (n, nm), target index within its image (n,), xywhn (n, 4)).
-        Per positive: BCE-with-logits of (coefs @ protos of its image) against its GT mask, zeroed
-        outside the target box (proto pixels), mean over the map / the box's normalised area."""
+        """Sum over levels and images of the mean mask loss of the positives: BCE of (coefs @ its
+        image's protos) against its mask, inside its box only, mean over the map / box area.
+        parts: per level (b (n,), coefs (n, nm), target index in its image (n,), xywhn (n, 4))."""
         bs, nm, mh, mw = protos.shape
         if masks.shape[-2:] != (mh, mw):
             masks = F.interpolate(masks[None].float(), (mh, mw), mode="nearest")[0]
@@ -194,16 +169,13 @@ class YOLOLoss:
         w_p = bw[p]
         row = q // w_p  # (row, column) within the box, row-major
         pix = q + row * (mw - w_p) + (r0 * mw + c0)[p]  # pixel index in the map
-        logits, p0, q0 = [], 0, 0
-        pos_per_img = torch.bincount(b, minlength=bs).tolist()
+        pos_per_img = torch.bincount(b, minlength=bs)
+        first = pos_per_img.cumsum(0) - pos_per_img  # each image's first positive
         pairs_per_img = cnt.new_zeros(bs).index_add(0, b, cnt).tolist()
+        at = ((p - first[b[p]]) * hw + pix).split(pairs_per_img)  # in its image's (npos, hw) maps
         per_image = protos.view(bs, nm, -1).unbind(0)  # one backward for all images, not one each
-        for bi, (npos, npairs) in enumerate(zip(pos_per_img, pairs_per_img)):
-            if npairs:  # this image's positives' logits (npos, mh * mw), at their boxes' pixels
-                maps = coefs[p0 : p0 + npos] @ per_image[bi]
-                at = (p[q0 : q0 + npairs] - p0) * hw + pix[q0 : q0 + npairs]
-                logits.append(maps.view(-1)[at])
-            p0, q0 = p0 + npos, q0 + npairs
+        parts = zip(coefs.split(pos_per_img.tolist()), per_image, at)
+        logits = [(c @ protos_i).view(-1)[a] for c, protos_i, a in parts if len(a)]
         per_pos = torch.zeros_like(x)
         if logits:
             gt = masks.reshape(-1)[(b * hw)[p] + pix] == idx[p]
@@ -217,15 +189,10 @@ class YOLOLoss:
         return (total[counts > 0] / counts[counts > 0]).sum()
 
 
-class ClassifyLoss:
-    """yolov5's classification loss: cross-entropy with label smoothing of a Classify head's logits
-    (bs, nc) against targets (bs, 2) [image, cls]. Returns (loss, {"cls"}), the batch mean (DDP's
-    averaging of gradients then gives the global batch's mean, as in one process)."""
+class ClassifyLoss(nn.CrossEntropyLoss):
+    """yolov5's classification loss: `ClassifyLoss(label_smoothing=...)(logits (bs, nc), targets
+    (bs, 2) [image, cls])` -> (the batch mean cross-entropy, {"cls"})."""
 
-    def __init__(self, label_smoothing: float = 0.0):
-        self.label_smoothing = label_smoothing
-
-    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        labels = targets[:, 1].long().to(logits.device)
-        loss = F.cross_entropy(logits.float(), labels, label_smoothing=self.label_smoothing)
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        loss = super().forward(logits.float(), targets[:, 1].long().to(logits.device))
         return loss, {"cls": loss.detach()}
