@@ -34,7 +34,7 @@ from yolo_min.datasets import ClassifyDataset, YOLODataset, build_dataloader
 from yolo_min.losses import ClassifyLoss, YOLOLoss, scale_hyp
 from yolo_min.metrics import KINDS, metric_names
 from yolo_min.models import CFG_DIR, Model, ModelEMA, amp_dtype, de_parallel, make_divisible
-from yolo_min.plots import draw_batch, plot_results
+from yolo_min.plots import draw_batch
 
 NOMINAL_BATCH = 64  # detection: gradients accumulate over this many images before a step
 HYP_FILES = {"classify": "hyp.cls.yaml"}  # no warmup, no accumulation; else hyp.scratch-low
@@ -407,8 +407,6 @@ def final_validation(ema: ModelEMA, loader, dataset, save_dir: Path, amp) -> dic
     weights = save_dir / "weights"
     path = weights / "best.pt" if (weights / "best.pt").is_file() else weights / "last.pt"
     dist.print0(f"Validating {path}")
-    if dist.is_main() and (save_dir / "results.csv").exists():
-        plot_results(save_dir / "results.csv")
     ema.ema.load_state_dict(dist.run_on_main(lambda: checkpoint.load(path)["ema"]))
     metrics = evaluate(ema.ema, loader, dataset, plots_dir=save_dir, amp=amp)
     dist.print0(format_table(metrics, ema.ema.names) + f"\nResults saved to {save_dir}")
