@@ -1,5 +1,6 @@
 """Shared test fixtures: paths to ../shared (skipping with a reason when it is absent), and small
 generated datasets (tiny, small_shapes) for fast end-to-end runs."""
+
 from pathlib import Path
 
 import numpy as np
@@ -34,13 +35,16 @@ def small_shapes(tmp_path_factory) -> str:
     """A 48-train / 16-val subset of the embedded shapes dataset (image lists in .txt files): a fast
     stand-in for `--data shapes` in multi-epoch and multi-process tests."""
     from yolo_min.datasets import load_data_config
+
     full = load_data_config("shapes")
     root = tmp_path_factory.mktemp("small_shapes")
     for split, n in (("train", 48), ("val", 16)):
         files = sorted(p for p in Path(full[split][0]).iterdir() if p.suffix == ".jpg")[:n]
         (root / f"{split}.txt").write_text("".join(f"{p}\n" for p in files))
     names = "".join(f"  {i}: {n}\n" for i, n in enumerate(full["names"]))
-    (root / "small_shapes.yaml").write_text(f"path: {root}\ntrain: train.txt\nval: val.txt\nnames:\n{names}")
+    (root / "small_shapes.yaml").write_text(
+        f"path: {root}\ntrain: train.txt\nval: val.txt\nnames:\n{names}"
+    )
     return str(root / "small_shapes.yaml")
 
 
@@ -56,15 +60,18 @@ def make_tiny(root: Path, n_train: int = 32, n_val: int = 8) -> Path:
             for _ in range(1 + i % 2):
                 (x, y), (w, h) = rng.integers(2, 30, 2), rng.integers(14, 30, 2)
                 c = int(rng.integers(0, 2))
-                ImageDraw.Draw(im).rectangle([int(x), int(y), int(x + w), int(y + h)],
-                                             fill=(220, 60, 60 + 160 * c))
-                rows.append(f"{c} {(x + w / 2) / 64:.6f} {(y + h / 2) / 64:.6f} {w / 64:.6f} "
-                            f"{h / 64:.6f}\n")
+                ImageDraw.Draw(im).rectangle(
+                    [int(x), int(y), int(x + w), int(y + h)], fill=(220, 60, 60 + 160 * c)
+                )
+                rows.append(
+                    f"{c} {(x + w / 2) / 64:.6f} {(y + h / 2) / 64:.6f} {w / 64:.6f} {h / 64:.6f}\n"
+                )
             im.save(root / "images" / split / f"{i}.jpg")
             (root / "labels" / split / f"{i}.txt").write_text("".join(rows))
     yaml_path = root / "data.yaml"
-    yaml_path.write_text(f"path: {root}\ntrain: images/train\nval: images/val\n"
-                         "names: [red, blue]\n")
+    yaml_path.write_text(
+        f"path: {root}\ntrain: images/train\nval: images/val\nnames: [red, blue]\n"
+    )
     return yaml_path
 
 
@@ -73,13 +80,24 @@ def tiny(tmp_path_factory) -> list[str]:
     """train.py arguments for a 32 + 8 image make_tiny dataset: 4 iterations an epoch at batch 8, in
     one process or two, so every run on it takes seconds."""
     data = make_tiny(tmp_path_factory.mktemp("tiny"))
-    return ["--data", str(data), "--imgsz", "64", "--batch-size", "8", "--workers", "0",
-            "--log-every", "2", "--noautoanchor"]
+    return [
+        "--data",
+        str(data),
+        "--imgsz",
+        "64",
+        "--batch-size",
+        "8",
+        "--workers",
+        "0",
+        "--log-every",
+        "2",
+        "--noautoanchor",
+    ]
 
 
 def deny_image_open(monkeypatch, suffix: str) -> None:
-    """Make PIL's Image.open raise PermissionError for files ending in `suffix`: tests run as root, who
-    reads anything, so an unreadable image is simulated at the open() call."""
+    """Make PIL's Image.open raise PermissionError for files ending in `suffix`: tests run as root,
+    who reads anything, so an unreadable image is simulated at the open() call."""
     real = Image.open
 
     def deny(f, *a, **k):

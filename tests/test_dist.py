@@ -1,5 +1,6 @@
-"""Several processes on CPU (gloo), launched by the tests with torchrun: 2 ranks, 2 "nodes" on loopback,
-and the DDP step equivalence. The project code itself never starts a process."""
+"""Several processes on CPU (gloo), launched by the tests with torchrun: 2 ranks, 2 "nodes" on
+loopback, and the DDP step equivalence. The project code itself never starts a process."""
+
 import csv
 import os
 import re
@@ -15,8 +16,8 @@ sys.path.insert(0, str(ROOT))
 
 import train  # noqa: E402
 from val import evaluate  # noqa: E402
-from yolo_min.datasets import YOLODataset, build_dataloader, load_data_config  # noqa: E402
 from yolo_min.checkpoint import load_model  # noqa: E402
+from yolo_min.datasets import YOLODataset, build_dataloader, load_data_config  # noqa: E402
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 TWO_NODE_PORT = "29517"  # fixed: the two launchers must agree on it
@@ -26,7 +27,9 @@ ARGS = ["--imgsz", "64", "--batch-size", "16", "--workers", "0", "--log-every", 
 
 def run(cmd, timeout=300, **kw):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, **kw)
+    return subprocess.run(
+        cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, **kw
+    )
 
 
 def rows(run_dir):
@@ -41,8 +44,18 @@ def shapes_runs(tmp_path_factory, small_shapes):
     tmp = tmp_path_factory.mktemp("runs")
     args = ["--data", small_shapes, *ARGS, "--epochs", "2", "--amp", "off"]
     one = train.main(train.get_args_parser().parse_args([*args, "--project", str(tmp / "one")]))
-    r = run([*TORCHRUN, "--standalone", "--nproc_per_node", "2", "train.py", *args,
-             "--project", str(tmp / "two")])
+    r = run(
+        [
+            *TORCHRUN,
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            "train.py",
+            *args,
+            "--project",
+            str(tmp / "two"),
+        ]
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     return Path(one["save_dir"]), tmp / "two" / "exp", r.stdout
 
@@ -51,8 +64,13 @@ def shapes_runs(tmp_path_factory, small_shapes):
 def test_two_ranks_train_and_only_rank0_writes(shapes_runs):
     one, two, stdout = shapes_runs
     assert sorted(p.name for p in two.parent.iterdir()) == ["exp"]
-    assert sorted(p.name for p in (two / "weights").iterdir()) == ["best.pt", "last.pt"]  # no stray .tmp
-    assert stdout.count("epoch 2/2:") == 1 and stdout.count("Results saved") == 1  # rank 0 prints, once
+    assert sorted(p.name for p in (two / "weights").iterdir()) == [
+        "best.pt",
+        "last.pt",
+    ]  # no stray .tmp
+    assert (
+        stdout.count("epoch 2/2:") == 1 and stdout.count("Results saved") == 1
+    )  # rank 0 prints, once
     assert "2 rank(s)" in stdout
     assert list(rows(two)[0]) == list(rows(one)[0]) and len(rows(two)) == len(rows(one)) == 2
     a, b = (torch.load(r / "weights" / "last.pt", weights_only=True) for r in (one, two))
@@ -67,7 +85,9 @@ def test_gathered_validation_equals_one_process(shapes_runs, small_shapes):
     _, two, _ = shapes_runs
     data = load_data_config(small_shapes)
     model = load_model(two / "weights" / "last.pt")
-    ds = YOLODataset(data["val"], imgsz=64, task="detect", rect=True, batch_size=16, stride=32, nc=data["nc"])
+    ds = YOLODataset(
+        data["val"], imgsz=64, task="detect", rect=True, batch_size=16, stride=32, nc=data["nc"]
+    )
     loader, _ = build_dataloader(ds, 16, 0, shuffle=False)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the ranks ran (OMP_NUM_THREADS=1): bit-equal convolutions
@@ -87,8 +107,17 @@ def test_ddp_step_equals_single_process(task, amp):
     """train.py's wiring and train_one_epoch: 2 ranks x 2 micro-batches of 4 images == 1 process x 2
     batches of 8 (tests/dist_step.py): the weights move, and equally (--amp off), or under bfloat16
     autocast to AMP_TOL of how far they move (bf16 may round batches of 4 and 8 differently)."""
-    r = run([*TORCHRUN, "--standalone", "--nproc_per_node", "2", "tests/dist_step.py",
-             *([f"--{task}"] if task != "detect" else []), *(["--amp-on"] if amp == "on" else [])])
+    r = run(
+        [
+            *TORCHRUN,
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            "tests/dist_step.py",
+            *([f"--{task}"] if task != "detect" else []),
+            *(["--amp-on"] if amp == "on" else []),
+        ]
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     diff, moved = map(float, re.search(r"MAXDIFF (\S+) MOVED (\S+)", r.stdout).groups())
     assert moved > 1e-4 and diff < (1e-5 if amp == "off" else AMP_TOL * moved), (diff, moved)
@@ -97,13 +126,36 @@ def test_ddp_step_equals_single_process(task, amp):
 @pytest.mark.slow
 def test_two_nodes_on_loopback(tmp_path, small_shapes):
     """torchrun --nnodes 2 --node_rank 0/1 --master_addr 127.0.0.1, one process per "node"."""
-    cmd = lambda r: [*TORCHRUN, "--nnodes", "2", "--node_rank", str(r), "--nproc_per_node", "1",  # noqa: E731
-                     "--master_addr", "127.0.0.1", "--master_port", TWO_NODE_PORT, "train.py", "--data", small_shapes, *ARGS,
-                     "--epochs", "1", "--project", str(tmp_path)]
+
+    def cmd(rank):
+        node = f"--nnodes 2 --node_rank {rank} --nproc_per_node 1 --master_addr 127.0.0.1"
+        return [
+            *TORCHRUN,
+            *node.split(),
+            "--master_port",
+            TWO_NODE_PORT,
+            "train.py",
+            "--data",
+            small_shapes,
+            *ARGS,
+            "--epochs",
+            "1",
+            "--project",
+            str(tmp_path),
+        ]
+
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    nodes = [subprocess.Popen(cmd(r), cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r in (0, 1)]
+    nodes = [
+        subprocess.Popen(
+            cmd(r), cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for r in (0, 1)
+    ]
     outs = [p.communicate(timeout=300) for p in nodes]
     assert [p.returncode for p in nodes] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
-    assert "2 rank(s)" in outs[0][0] and "epoch 1/1:" not in outs[1][0]  # node 1's rank prints nothing
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["exp"] and len(rows(tmp_path / "exp")) == 1
+    assert (
+        "2 rank(s)" in outs[0][0] and "epoch 1/1:" not in outs[1][0]
+    )  # node 1's rank prints nothing
+    assert (
+        sorted(p.name for p in tmp_path.iterdir()) == ["exp"] and len(rows(tmp_path / "exp")) == 1
+    )

@@ -1,4 +1,5 @@
-"""The layout the README promises: only dist.py in yolo_min knows ranks; no test code in train.py."""
+"""The layout the README promises: only dist.py in yolo_min knows ranks; no test code in
+train.py."""
 
 import ast
 from pathlib import Path

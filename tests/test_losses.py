@@ -1,10 +1,10 @@
 """Losses: exact equality with yolov5's ComputeLoss (fixtures), assignment edge cases, gradients,
 the batch/DDP scaling rule, focal loss and label smoothing."""
+
 import pytest
 import torch
 import torch.nn.functional as F
 import torchvision
-
 import yaml
 
 from yolo_min.losses import YOLOLoss, bbox_ciou, scale_hyp
@@ -21,8 +21,12 @@ class Loss(YOLOLoss):
         assert list(items) == (["box", "seg", "obj", "cls"] if self.nm else ["box", "obj", "cls"])
         return loss, torch.stack(list(items.values()))
 
-FIXTURES = [("loss_det_nc80", "yolov5n.yaml"), ("loss_det_nc1", "yolov5n.yaml"),
-            ("loss_seg_nc80", "yolov5n-seg.yaml")]
+
+FIXTURES = [
+    ("loss_det_nc80", "yolov5n.yaml"),
+    ("loss_det_nc1", "yolov5n.yaml"),
+    ("loss_seg_nc80", "yolov5n-seg.yaml"),
+]
 LOSS_KEYS = ("box", "obj", "cls", "anchor_t", "cls_pw", "obj_pw", "fl_gamma", "label_smoothing")
 _MODELS = {}
 
@@ -68,7 +72,7 @@ def boxes_to_masks(targets: torch.Tensor, bs: int, hw) -> torch.Tensor:
         counts[b] += 1
         x1, x2 = int((cx - w / 2) * hw[1]), int((cx + w / 2) * hw[1])
         y1, y2 = int((cy - h / 2) * hw[0]), int((cy + h / 2) * hw[0])
-        masks[b, max(y1, 0):y2 + 1, max(x1, 0):x2 + 1] = counts[b]
+        masks[b, max(y1, 0) : y2 + 1, max(x1, 0) : x2 + 1] = counts[b]
     return masks
 
 
@@ -78,8 +82,12 @@ def test_fixtures(fixtures_dir, name, cfg):
     model = model_for(cfg, fx["nc"])
     torch.testing.assert_close(model.model[-1].anchors, fx["anchors_grid_units"])
     assert model.stride.tolist() == fx["stride"].tolist()
-    for k in LOSS_KEYS:  # the fixture hyp is what scale_hyp makes of DEFAULT_HYP at imgsz = max side
-        assert scale_hyp(DEFAULT_HYP, fx["nc"], max(fx["imgsz_hw"]))[k] == pytest.approx(fx["hyp"][k])
+    for (
+        k
+    ) in LOSS_KEYS:  # the fixture hyp is what scale_hyp makes of DEFAULT_HYP at imgsz = max side
+        assert scale_hyp(DEFAULT_HYP, fx["nc"], max(fx["imgsz_hw"]))[k] == pytest.approx(
+            fx["hyp"][k]
+        )
     loss, items = Loss(model, fx["hyp"])(preds, fx["targets"], masks)
     assert loss.shape == (1,) and items.shape == fx["loss_items"].shape and not items.requires_grad
     rel_close(items, fx["loss_items"])
@@ -109,8 +117,13 @@ def test_empty_targets_only_objectness(seg):
     assert obj > 0 and items.sum() == obj and torch.isfinite(loss)
     # objectness alone, by hand: BCE towards 0 at every cell, level weights 4, 1, 0.4
     maps = preds[0] if seg else preds
-    want = sum(w * F.binary_cross_entropy_with_logits(p[..., 4], torch.zeros_like(p[..., 4]))
-               for w, p in zip([4.0, 1.0, 0.4], maps)) * crit.hyp["obj"]
+    want = (
+        sum(
+            w * F.binary_cross_entropy_with_logits(p[..., 4], torch.zeros_like(p[..., 4]))
+            for w, p in zip([4.0, 1.0, 0.4], maps)
+        )
+        * crit.hyp["obj"]
+    )
     rel_close(obj, want)
 
 
@@ -120,14 +133,19 @@ def test_target_matching_no_anchor(seg):
     crit = crit_for(seg)
     preds = synthetic(seg)
     tiny = torch.tensor([[0, 3, 0.5, 0.5, 1 / 96, 1 / 64]])
-    assert all(crit._assign(i, tiny, *p.shape[2:4])[0].numel() == 0 for i, p in enumerate(preds[0] if seg else preds))
+    assert all(
+        crit._assign(i, tiny, *p.shape[2:4])[0].numel() == 0
+        for i, p in enumerate(preds[0] if seg else preds)
+    )
     masks = boxes_to_masks(tiny, 2, (16, 24)) if seg else None
     torch.testing.assert_close(crit(preds, tiny, masks), crit(preds, torch.zeros(0, 6), masks))
     real = torch.tensor([[1, 5, 0.4, 0.6, 0.3, 0.4]])
     both = torch.cat((tiny, real))  # the unmatched target changes nothing for the others
     if seg:  # index maps: the real target is the only one of image 1
-        torch.testing.assert_close(crit(preds, both, boxes_to_masks(both, 2, (16, 24))),
-                                   crit(preds, real, boxes_to_masks(real, 2, (16, 24))))
+        torch.testing.assert_close(
+            crit(preds, both, boxes_to_masks(both, 2, (16, 24))),
+            crit(preds, real, boxes_to_masks(real, 2, (16, 24))),
+        )
     else:
         torch.testing.assert_close(crit(preds, both), crit(preds, real))
 
@@ -136,8 +154,14 @@ def test_targets_on_border():
     """Centres exactly on the right/bottom border land in the last cell (clamped), left/top
     borders in the first; the loss and its gradient stay finite."""
     crit = crit_for(False)
-    t = torch.tensor([[0, 1, 1.0, 1.0, 0.3, 0.4], [0, 2, 0.0, 0.0, 0.3, 0.3],
-                      [1, 3, 1.0, 0.5, 0.6, 0.9], [1, 4, 0.999, 0.001, 0.2, 0.25]])
+    t = torch.tensor(
+        [
+            [0, 1, 1.0, 1.0, 0.3, 0.4],
+            [0, 2, 0.0, 0.0, 0.3, 0.3],
+            [1, 3, 1.0, 0.5, 0.6, 0.9],
+            [1, 4, 0.999, 0.001, 0.2, 0.25],
+        ]
+    )
     maps = [p.requires_grad_() for p in synthetic(False)]
     for i, p in enumerate(maps):
         ny, nx = p.shape[2:4]
@@ -167,9 +191,13 @@ def test_gradients_reach_every_head(cfg):
     torch.manual_seed(0)
     model = Model(cfg, nc=3).train()
     crit = Loss(model, scale_hyp(DEFAULT_HYP, 3, 96))
-    t = torch.tensor([[0, 0, 0.5, 0.5, 0.45, 0.5], [0, 1, 0.25, 0.3, 0.2, 0.3], [1, 2, 0.6, 0.4, 0.9, 0.8]])
+    t = torch.tensor(
+        [[0, 0, 0.5, 0.5, 0.45, 0.5], [0, 1, 0.25, 0.3, 0.2, 0.3], [1, 2, 0.6, 0.4, 0.9, 0.8]]
+    )
     seg = cfg.endswith("-seg.yaml")
-    loss, items = crit(model(torch.rand(2, 3, 64, 96)), t, boxes_to_masks(t, 2, (16, 24)) if seg else None)
+    loss, items = crit(
+        model(torch.rand(2, 3, 64, 96)), t, boxes_to_masks(t, 2, (16, 24)) if seg else None
+    )
     loss.backward()
     assert (items > 0).all()
     head = model.model[-1]
@@ -186,28 +214,32 @@ def test_gradients_reach_every_head(cfg):
 def test_batch_equals_sum_of_images(seg):
     """loss(batch) == sum of loss(image) when it must, and only for the terms where it must.
 
-    loss = bs * (box + obj + cls [+ seg]). obj is a mean over all cells of a level, each image having
-    the same number of cells, so bs * obj(batch) = sum of obj(image) always; seg is already a mean
-    per image (times 1/bs), so likewise. box and cls are means over all positives of the batch, equal
-    to the mean of the per-image means only when every image has the same number of positives per
-    level: here every image holds the same boxes (classes and predictions differ)."""
+    loss = bs * (box + obj + cls [+ seg]). obj is a mean over all cells of a level, each image
+    having the same number of cells, so bs * obj(batch) = sum of obj(image) always; seg is already
+    a mean per image (times 1/bs), so likewise. box and cls are means over all positives of the
+    batch, equal to the mean of the per-image means only when every image has the same number of
+    positives per level: here every image holds the same boxes (classes and predictions differ)."""
     bs = 3
     crit = crit_for(seg)
     preds = synthetic(seg, bs=bs, seed=1)
     maps, protos = preds if seg else (preds, None)
     boxes = torch.tensor([[0.5, 0.5, 0.3, 0.4], [0.2, 0.3, 0.1, 0.15]])
-    t = torch.cat([torch.cat((torch.full((2, 1), b), torch.tensor([[b + 1.0], [7.0 * b]]), boxes), 1)
-                   for b in range(bs)])
+    t = torch.cat(
+        [
+            torch.cat((torch.full((2, 1), b), torch.tensor([[b + 1.0], [7.0 * b]]), boxes), 1)
+            for b in range(bs)
+        ]
+    )
     masks = boxes_to_masks(t, bs, (16, 24)) if seg else None
     loss, items = crit(preds, t, masks)
     per_image = []
     for b in range(bs):
         ti = t[t[:, 0] == b].clone()
         ti[:, 0] = 0
-        mi = [p[b:b + 1] for p in maps]
-        pi = (mi, protos[b:b + 1]) if seg else mi
-        per_image.append(crit(pi, ti, masks[b:b + 1] if seg else None))
-    rel_close(loss, sum(l for l, _ in per_image))
+        mi = [p[b : b + 1] for p in maps]
+        pi = (mi, protos[b : b + 1]) if seg else mi
+        per_image.append(crit(pi, ti, masks[b : b + 1] if seg else None))
+    rel_close(loss, sum(total for total, _ in per_image))
     rel_close(items * bs, sum(i for _, i in per_image))
     # different boxes per image: obj (and seg) still add up exactly, box in general does not
     t2 = t.clone()
@@ -217,11 +249,16 @@ def test_batch_equals_sum_of_images(seg):
     for b in range(bs):
         ti = t2[t2[:, 0] == b].clone()
         ti[:, 0] = 0
-        mi = [p[b:b + 1] for p in maps]
-        parts.append(crit((mi, protos[b:b + 1]) if seg else mi, ti,
-                          boxes_to_masks(ti, 1, (16, 24)) if seg else None)[1])
+        mi = [p[b : b + 1] for p in maps]
+        parts.append(
+            crit(
+                (mi, protos[b : b + 1]) if seg else mi,
+                ti,
+                boxes_to_masks(ti, 1, (16, 24)) if seg else None,
+            )[1]
+        )
     summed = sum(parts)
-    for k in ([1, 2] if seg else [1]):
+    for k in [1, 2] if seg else [1]:
         rel_close(items2[k] * bs, summed[k])
     assert not torch.isclose(items2[0] * bs, summed[0], rtol=1e-4)
 
@@ -242,7 +279,9 @@ def test_focal_loss_and_label_smoothing():
         if not b.numel():  # a level without positives adds no class loss
             continue
         onehot = F.one_hot(t[k, 1].long(), nc).float()
-        want += F.binary_cross_entropy_with_logits(p[b, a, gj, gi, 5:], onehot * (1 - eps) + eps / 2)
+        want += F.binary_cross_entropy_with_logits(
+            p[b, a, gj, gi, 5:], onehot * (1 - eps) + eps / 2
+        )
     rel_close(crit(maps, t)[1][2], want * crit.hyp["cls"])
 
 
@@ -254,8 +293,15 @@ def test_seg_loss_against_dense_reference():
     crit = crit_for(True)
     bs, (mh, mw) = 2, (16, 24)
     maps, protos = synthetic(True, bs=bs, seed=3)
-    t = torch.tensor([[0, 1, 0.5, 0.5, 0.25, 0.5], [0, 2, 0.375, 0.25, 0.5, 0.25], [0, 3, 1.0, 1.0, 0.4, 0.6],
-                      [1, 4, 0.02, 0.3, 0.3, 0.5], [1, 5, 0.61, 0.47, 0.33, 0.71]])
+    t = torch.tensor(
+        [
+            [0, 1, 0.5, 0.5, 0.25, 0.5],
+            [0, 2, 0.375, 0.25, 0.5, 0.25],
+            [0, 3, 1.0, 1.0, 0.4, 0.6],
+            [1, 4, 0.02, 0.3, 0.3, 0.5],
+            [1, 5, 0.61, 0.47, 0.33, 0.71],
+        ]
+    )
     masks = boxes_to_masks(t, bs, (mh, mw))
     masks[1, 3:9, 2:20] = 2  # masks need not be boxes
     onehot = F.one_hot(t[:, 0].long(), bs)
@@ -269,8 +315,12 @@ def test_seg_loss_against_dense_reference():
             gt = (masks[bi] == rank[k[j]].view(-1, 1, 1)).float()
             x, y, w, h = (xywhn[j] * torch.tensor([mw, mh, mw, mh])).unbind(1)
             cols, rows = torch.arange(mw).view(1, 1, -1), torch.arange(mh).view(1, -1, 1)
-            crop = ((cols >= (x - w / 2).view(-1, 1, 1)) & (cols < (x + w / 2).view(-1, 1, 1)) &
-                    (rows >= (y - h / 2).view(-1, 1, 1)) & (rows < (y + h / 2).view(-1, 1, 1)))
+            crop = (
+                (cols >= (x - w / 2).view(-1, 1, 1))
+                & (cols < (x + w / 2).view(-1, 1, 1))
+                & (rows >= (y - h / 2).view(-1, 1, 1))
+                & (rows < (y + h / 2).view(-1, 1, 1))
+            )
             loss = F.binary_cross_entropy_with_logits(logits, gt, reduction="none") * crop
             want += (loss.mean((1, 2)) / (xywhn[j, 2] * xywhn[j, 3])).mean()
     rel_close(crit((maps, protos), t, masks)[1][1], want * crit.hyp["box"] / bs)

@@ -1,12 +1,25 @@
-"""ops: NMS against the yolov5 fixture, box/mask geometry by hand, rasterisation and RLE against pycocotools."""
+"""ops: NMS against the yolov5 fixture, box/mask geometry by hand, rasterisation and RLE against
+pycocotools."""
+
 import json
 
 import numpy as np
 import pytest
 import torch
 
-from yolo_min.ops import (box_iou, mask_iou, mask_to_polygon, non_max_suppression, polygons_to_masks,
-                          process_mask, rle_encode, scale_boxes, scale_masks, xywh2xyxy, xyxy2xywh)
+from yolo_min.ops import (
+    box_iou,
+    mask_iou,
+    mask_to_polygon,
+    non_max_suppression,
+    polygons_to_masks,
+    process_mask,
+    rle_encode,
+    scale_boxes,
+    scale_masks,
+    xywh2xyxy,
+    xyxy2xywh,
+)
 
 
 @pytest.mark.parametrize("setting", ["val", "predict"])
@@ -20,28 +33,42 @@ def test_nms_matches_yolov5_fixture(fixtures_dir, setting):
 
 def test_nms_semantics_and_mask_coefs():
     # rows: [cx, cy, w, h, obj, cls0, cls1, coef0, coef1]; coef0 tags the source row
-    rows = torch.tensor([
-        [50, 50, 20, 20, 0.9, 0.9, 0.1, 0, 7],    # best box of class 0
-        [51, 50, 20, 20, 0.8, 0.9, 0.2, 1, 7],    # overlaps row 0, same class -> suppressed
-        [51, 50, 20, 20, 0.8, 0.1, 0.95, 2, 7],   # same place, class 1 -> kept (class-aware)
-        [150, 50, 20, 20, 0.5, 0.6, 0.56, 3, 7],  # multi-label: both classes above 0.25
-        [150, 150, 20, 20, 0.1, 0.9, 0.9, 4, 7],  # score 0.09 < 0.25 -> dropped
-    ], dtype=torch.float32)[None]
-    best, = non_max_suppression(rows, conf_thres=0.25, iou_thres=0.45, nm=2)
+    rows = torch.tensor(
+        [
+            [50, 50, 20, 20, 0.9, 0.9, 0.1, 0, 7],  # best box of class 0
+            [51, 50, 20, 20, 0.8, 0.9, 0.2, 1, 7],  # overlaps row 0, same class -> suppressed
+            [51, 50, 20, 20, 0.8, 0.1, 0.95, 2, 7],  # same place, class 1 -> kept (class-aware)
+            [150, 50, 20, 20, 0.5, 0.6, 0.56, 3, 7],  # multi-label: both classes above 0.25
+            [150, 150, 20, 20, 0.1, 0.9, 0.9, 4, 7],  # score 0.09 < 0.25 -> dropped
+        ],
+        dtype=torch.float32,
+    )[None]
+    (best,) = non_max_suppression(rows, conf_thres=0.25, iou_thres=0.45, nm=2)
     assert best[:, 6].tolist() == [0, 2, 3] and (best[:, 7] == 7).all()
     assert best[:, 5].tolist() == [0, 1, 0]
     torch.testing.assert_close(best[:, 4], torch.tensor([0.81, 0.76, 0.30]))
     torch.testing.assert_close(best[0, :4], torch.tensor([40.0, 40, 60, 60]))
-    multi, = non_max_suppression(rows, conf_thres=0.25, iou_thres=0.45, multi_label=True, nm=2)
-    assert sorted(zip(multi[:, 6].tolist(), multi[:, 5].tolist())) == [(0, 0), (2, 1), (3, 0), (3, 1)]
+    (multi,) = non_max_suppression(rows, conf_thres=0.25, iou_thres=0.45, multi_label=True, nm=2)
+    assert sorted(zip(multi[:, 6].tolist(), multi[:, 5].tolist())) == [
+        (0, 0),
+        (2, 1),
+        (3, 0),
+        (3, 1),
+    ]
     assert (multi[:, 4].diff() <= 0).all()  # sorted by confidence
-    top2, = non_max_suppression(rows, conf_thres=0.25, iou_thres=0.45, multi_label=True, max_det=2, nm=2)
+    (top2,) = non_max_suppression(
+        rows, conf_thres=0.25, iou_thres=0.45, multi_label=True, max_det=2, nm=2
+    )
     torch.testing.assert_close(top2, multi[:2])
-    empty, = non_max_suppression(rows, conf_thres=0.99, iou_thres=0.45, nm=2)
+    (empty,) = non_max_suppression(rows, conf_thres=0.99, iou_thres=0.45, nm=2)
     assert empty.shape == (0, 8)
-    only1, = non_max_suppression(rows, 0.25, 0.45, multi_label=True, classes=[1], nm=2)  # filtered first
+    (only1,) = non_max_suppression(
+        rows, 0.25, 0.45, multi_label=True, classes=[1], nm=2
+    )  # filtered first
     assert only1[:, 6].tolist() == [2, 3] and (only1[:, 5] == 1).all()
-    agnostic, = non_max_suppression(rows, 0.25, 0.45, agnostic=True, nm=2)  # row 0 suppresses row 2 (cls 1)
+    (agnostic,) = non_max_suppression(
+        rows, 0.25, 0.45, agnostic=True, nm=2
+    )  # row 0 suppresses row 2 (cls 1)
     assert agnostic[:, 6].tolist() == [0, 3]
 
 
@@ -97,7 +124,9 @@ def test_process_mask_crops_to_box_and_scale_masks_cuts_padding():
     want[8:32, 4:20] = True
     want[[8, 8, 31, 31], [4, 19, 4, 19]] = False
     assert torch.equal(masks[0], want) and not masks[1].any()
-    orig = scale_masks(masks, ((1.0, 1.0), (0.0, 8.0)), (48, 64))  # 8 rows of padding top and bottom
+    orig = scale_masks(
+        masks, ((1.0, 1.0), (0.0, 8.0)), (48, 64)
+    )  # 8 rows of padding top and bottom
     assert orig.shape == (2, 48, 64) and torch.equal(orig[0], want[8:56])
     small = scale_masks(masks, ((0.5, 0.5), (0.0, 8.0)), (96, 128))  # nearest upsampling by 2
     assert torch.equal(small[0], want[8:56].repeat_interleave(2, 0).repeat_interleave(2, 1))
@@ -111,8 +140,10 @@ def test_polygons_to_masks_by_hand_and_mask_iou():
     assert torch.equal(m[0], want) and not m[1].any()
     other = torch.zeros_like(want)
     other[2:5, 4:8] = True
-    torch.testing.assert_close(mask_iou(m[:1], torch.stack([want, other, ~want & False])),
-                               torch.tensor([[1.0, 6 / 18, 0.0]], dtype=torch.float64))
+    torch.testing.assert_close(
+        mask_iou(m[:1], torch.stack([want, other, ~want & False])),
+        torch.tensor([[1.0, 6 / 18, 0.0]], dtype=torch.float64),
+    )
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # pycocotools vs numpy 2
@@ -122,7 +153,9 @@ def test_polygons_to_masks_equal_pycocotools(data_dir):
     hw = {im["id"]: (im["height"], im["width"]) for im in ann["images"]}
     rng = np.random.default_rng(0)
     cases = [(a["segmentation"][0], hw[a["image_id"]]) for a in ann["annotations"]]
-    for _ in range(300):  # random polygons: partly outside, repeated vertices, coordinates on 1/10 pixel
+    for _ in range(
+        300
+    ):  # random polygons: partly outside, repeated vertices, coordinates on 1/10 pixel
         poly = rng.uniform(-10, 70, (rng.integers(3, 9), 2))
         poly[1] = poly[0] if rng.random() < 0.3 else poly[1]
         poly = np.round(poly * 10) / 10 if rng.random() < 0.3 else poly
@@ -141,10 +174,12 @@ def test_rle_encode_equals_pycocotools():
     for _ in range(100):
         h, w = rng.integers(1, 50, 2)
         m = np.zeros((h, w), bool)
-        m[rng.integers(0, h):rng.integers(0, h + 1), rng.integers(0, w):] = True
+        m[rng.integers(0, h) : rng.integers(0, h + 1), rng.integers(0, w) :] = True
         cases += [m, rng.random((h, w)) < rng.random()]
     for m in cases:
         want = mask_utils.encode(np.asfortranarray(m.astype(np.uint8)))
         got = rle_encode(torch.from_numpy(m))
         assert got == {"size": list(m.shape), "counts": want["counts"].decode()}
-        assert np.array_equal(mask_utils.decode({"size": got["size"], "counts": got["counts"].encode()}), m)
+        assert np.array_equal(
+            mask_utils.decode({"size": got["size"], "counts": got["counts"].encode()}), m
+        )

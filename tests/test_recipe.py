@@ -96,7 +96,8 @@ def copy_run(run: Path, dest: Path) -> Path:
 
 
 def stop_in_epoch_2(monkeypatch) -> None:
-    """Make a run stop as epoch 2 starts (as a kill would), once epoch 1's checkpoints are written."""
+    """Make a run stop as epoch 2 starts (as a kill would), once epoch 1's checkpoints are
+    written."""
     real = train.train_one_epoch
 
     def one_epoch(model, criterion, optimizer, scaler, ema, loader, epoch, *args):

@@ -1,4 +1,6 @@
-"""train.py: the recipe parts on hand-computed cases, then short single-process runs (CPU, tiny data)."""
+"""train.py: the recipe parts on hand-computed cases, then short single-process runs (CPU, tiny
+data)."""
+
 import csv
 import math
 import os
@@ -29,8 +31,22 @@ DEFAULT_HYP = train.load_hyp("")
 
 def args_for(tmp_path, *extra):
     return train.get_args_parser().parse_args(
-        ["--project", str(tmp_path / "runs"), "--imgsz", "64", "--batch-size", "2", "--workers", "0",
-         "--epochs", "2", "--log-every", "1", *extra])
+        [
+            "--project",
+            str(tmp_path / "runs"),
+            "--imgsz",
+            "64",
+            "--batch-size",
+            "2",
+            "--workers",
+            "0",
+            "--epochs",
+            "2",
+            "--log-every",
+            "1",
+            *extra,
+        ]
+    )
 
 
 # ---------------------------------------------------------------- recipe parts
@@ -45,7 +61,10 @@ def test_optimizer_groups():
     assert sum(map(len, (biases, norm_w, weights))) == len(list(model.parameters()))
     assert [g["weight_decay"] for g in opt.param_groups] == [0.0, 0.0, 5e-4]
     assert [g["bias"] for g in opt.param_groups] == [True, False, False]
-    assert all(g["nesterov"] and g["momentum"] == 0.937 and g["initial_lr"] == 0.01 for g in opt.param_groups)
+    assert all(
+        g["nesterov"] and g["momentum"] == 0.937 and g["initial_lr"] == 0.01
+        for g in opt.param_groups
+    )
 
 
 def test_lr_schedule_and_warmup():
@@ -54,8 +73,12 @@ def test_lr_schedule_and_warmup():
     assert train.lr_factor(10, 10, 0.01) == pytest.approx(0.01)
     assert train.lr_factor(5, 10, 0.01, cos=True) == pytest.approx(0.505)
     assert train.lr_factor(10, 10, 0.01, cos=True) == pytest.approx(0.01)
-    assert train.lr_factor(2, 10, 0.01, cos=True) > train.lr_factor(2, 10, 0.01)  # cosine starts slower
-    opt = train.build_optimizer(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)), 0.01, 0.937, 5e-4)
+    assert train.lr_factor(2, 10, 0.01, cos=True) > train.lr_factor(
+        2, 10, 0.01
+    )  # cosine starts slower
+    opt = train.build_optimizer(
+        nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)), 0.01, 0.937, 5e-4
+    )
     assert train.warmup(opt, 0, 100, 0.9, DEFAULT_HYP, 4.0) == 1
     assert [g["lr"] for g in opt.param_groups] == [0.1, 0.0, 0.0]  # bias 0.1 down, others 0 up
     assert all(g["momentum"] == 0.8 for g in opt.param_groups)
@@ -63,7 +86,10 @@ def test_lr_schedule_and_warmup():
     assert opt.param_groups[0]["lr"] == pytest.approx((0.1 + 0.009) / 2)
     assert opt.param_groups[2]["lr"] == pytest.approx(0.0045)
     assert train.warmup(opt, 100, 100, 0.9, DEFAULT_HYP, 4.0) == 4
-    assert all(g["lr"] == pytest.approx(0.009) and g["momentum"] == pytest.approx(0.937) for g in opt.param_groups)
+    assert all(
+        g["lr"] == pytest.approx(0.009) and g["momentum"] == pytest.approx(0.937)
+        for g in opt.param_groups
+    )
 
 
 def test_ema_updates_all_float_state():
@@ -80,7 +106,9 @@ def test_ema_updates_all_float_state():
     now, src = ema.ema.state_dict(), model.state_dict()
     for k in ("0.weight", "1.running_mean"):
         torch.testing.assert_close(now[k], d * before[k] + (1 - d) * src[k])
-    assert now["1.num_batches_tracked"] == before["1.num_batches_tracked"]  # integers are not averaged
+    assert (
+        now["1.num_batches_tracked"] == before["1.num_batches_tracked"]
+    )  # integers are not averaged
     assert not any(p.requires_grad for p in ema.ema.parameters()) and not ema.ema.training
 
 
@@ -145,14 +173,19 @@ def test_run_folders_and_resume_lookup(tmp_path):
 
 def test_check_anchors_refits_poor_anchors():
     rng = np.random.default_rng(0)
-    wh = np.concatenate([rng.normal(c, c / 10, (200, 2)) for c in (10, 40, 160)]).clip(3).astype(np.float32)
+    wh = (
+        np.concatenate([rng.normal(c, c / 10, (200, 2)) for c in (10, 40, 160)])
+        .clip(3)
+        .astype(np.float32)
+    )
     good = fit_anchors(wh, 9, 4.0, gens=200)
     assert good.shape == (9, 2) and np.all(np.diff(good.prod(1)) >= 0)  # sorted by area
     assert bpr_and_aat(good, wh, 4.0)[0] > 0.99
     centres = kmeans(np.array([[0.0, 0.0], [0.1, 0.0], [10, 10], [10.1, 10]]), 2, rng)
     assert sorted(centres[:, 0].round(2).tolist()) == [0.05, 10.05]
 
-    class Labels:  # 64x64 images, every box 60x60 pixels: the default anchors (10..373 px) miss most
+    # 64x64 images, every box 60x60 pixels: the default anchors (10..373 px) miss most
+    class Labels:
         labels = [{"bboxes": np.array([[0.5, 0.5, 60 / 64, 60 / 64]] * 20), "shape": (64, 64)}] * 5
 
     model = Model("yolov5n.yaml", nc=1)
@@ -171,8 +204,14 @@ def test_loss_falls_on_a_fixed_batch():
     opt = train.build_optimizer(model, 0.1, 0.937, 5e-4)
     scaler = torch.amp.GradScaler("cuda", enabled=False)
     images = torch.randint(0, 255, (4, 3, 64, 64), dtype=torch.uint8)
-    targets = torch.tensor([[0, 0, 0.5, 0.5, 0.4, 0.3], [1, 1, 0.3, 0.6, 0.2, 0.5], [2, 0, 0.7, 0.2, 0.3, 0.3],
-                            [3, 1, 0.5, 0.5, 0.8, 0.8]])
+    targets = torch.tensor(
+        [
+            [0, 0, 0.5, 0.5, 0.4, 0.3],
+            [1, 1, 0.3, 0.6, 0.2, 0.5],
+            [2, 0, 0.7, 0.2, 0.3, 0.3],
+            [3, 1, 0.5, 0.5, 0.8, 0.8],
+        ]
+    )
     losses = []
     for _ in range(12):
         batch = {"images": images, "targets": targets}
@@ -184,12 +223,21 @@ def test_loss_falls_on_a_fixed_batch():
 
 
 def test_bad_config_exits_2_before_any_work(tmp_path):
-    for bad in (["--cfg", "nope.yaml"], ["--data", str(tmp_path / "missing.yaml")], ["--device", "cuda:0"],
-                ["--hyp", str(tmp_path / "missing_hyp.yaml")]):
+    for bad in (
+        ["--cfg", "nope.yaml"],
+        ["--data", str(tmp_path / "missing.yaml")],
+        ["--device", "cuda:0"],
+        ["--hyp", str(tmp_path / "missing_hyp.yaml")],
+    ):
         if "cuda:0" in bad and torch.cuda.is_available():
             continue
-        r = subprocess.run([sys.executable, str(ROOT / "train.py"), "--project", str(tmp_path / "runs"), *bad],
-                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        r = subprocess.run(
+            [sys.executable, str(ROOT / "train.py"), "--project", str(tmp_path / "runs"), *bad],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=tmp_path,
+        )
         assert r.returncode == 2, r.stderr
         assert len(r.stderr.strip().splitlines()) == 1 and "error" in r.stderr
     assert not (tmp_path / "runs").exists()
@@ -202,7 +250,9 @@ def read_csv(path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cfg, data", [("yolov5n.yaml", "coco8.yaml"), ("yolov5n-seg.yaml", "coco8-seg.yaml")])
+@pytest.mark.parametrize(
+    "cfg, data", [("yolov5n.yaml", "coco8.yaml"), ("yolov5n-seg.yaml", "coco8-seg.yaml")]
+)
 def test_two_epochs_on_coco8(tmp_path, data_dir, cfg, data):
     out = train.main(args_for(tmp_path, "--cfg", cfg, "--data", str(data_dir / data)))
     run = Path(out["save_dir"])
@@ -212,9 +262,14 @@ def test_two_epochs_on_coco8(tmp_path, data_dir, cfg, data):
     rows = read_csv(run / "results.csv")
     kinds = ["B", "M"] if "seg" in cfg else ["B"]
     losses = ["box", "seg", "obj", "cls"] if "seg" in cfg else ["box", "obj", "cls"]
-    assert list(rows[0]) == ["epoch", *(f"train/{n}_loss" for n in losses),
-                             *(f"metrics/{m}({k})" for k in kinds for m in ("P", "R", "mAP50", "mAP50-95")),
-                             "lr/pg0", "lr/pg1", "lr/pg2"]
+    assert list(rows[0]) == [
+        "epoch",
+        *(f"train/{n}_loss" for n in losses),
+        *(f"metrics/{m}({k})" for k in kinds for m in ("P", "R", "mAP50", "mAP50-95")),
+        "lr/pg0",
+        "lr/pg1",
+        "lr/pg2",
+    ]
     assert [r["epoch"] for r in rows] == ["1", "2"]
     assert all(math.isfinite(float(v)) for r in rows for v in r.values())
     assert {k[-2] for k in out["metrics"]["metrics"]} == ({"B", "M"} if "seg" in cfg else {"B"})
@@ -222,8 +277,12 @@ def test_two_epochs_on_coco8(tmp_path, data_dir, cfg, data):
     ckpt = torch.load(run / "weights" / "last.pt", weights_only=True)
     assert ckpt["epoch"] == 1 and ckpt["task"] == ("segment" if "seg" in cfg else "detect")
     assert ckpt["names"][0] == "person"
-    assert ckpt["ema_updates"] == 3  # warmup's accumulate is 1, 1, 2 (iteration 3 waits), then the epoch's end
-    assert checkpoint.make_run_dir(args_for(tmp_path), {}, None, 0).name == "exp2"  # the next run increments
+    assert (
+        ckpt["ema_updates"] == 3
+    )  # warmup's accumulate is 1, 1, 2 (iteration 3 waits), then the epoch's end
+    assert (
+        checkpoint.make_run_dir(args_for(tmp_path), {}, None, 0).name == "exp2"
+    )  # the next run increments
 
 
 @pytest.mark.slow
@@ -269,10 +328,18 @@ def test_shapes_dataset_is_the_default(tmp_path):
 
 @pytest.mark.slow
 def test_resume_continues_exactly(tmp_path, data_dir, monkeypatch):
-    """A run of 3 epochs stopped after epoch 1, resumed with --resume, stopped after epoch 2 and resumed
-    as after a torchrun restart ends with the checkpoint and results of an uninterrupted run (with
-    loader workers: augmentation is seeded per sample)."""
-    common = ["--data", str(data_dir / "coco8.yaml"), "--epochs", "3", "--noautoanchor", "--workers", "2"]
+    """A run of 3 epochs stopped after epoch 1, resumed with --resume, stopped after epoch 2 and
+    resumed as after a torchrun restart ends with the checkpoint and results of an uninterrupted
+    run (with loader workers: augmentation is seeded per sample)."""
+    common = [
+        "--data",
+        str(data_dir / "coco8.yaml"),
+        "--epochs",
+        "3",
+        "--noautoanchor",
+        "--workers",
+        "2",
+    ]
     whole = Path(train.main(args_for(tmp_path / "a", *common))["save_dir"])
 
     save = checkpoint.save
@@ -282,6 +349,7 @@ def test_resume_continues_exactly(tmp_path, data_dir, monkeypatch):
             save(ckpt, path)
             if path.name == "last.pt" and ckpt["epoch"] == stop_after:
                 raise KeyboardInterrupt
+
         return f
 
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "resume-test")  # as if under torchrun
@@ -291,9 +359,13 @@ def test_resume_continues_exactly(tmp_path, data_dir, monkeypatch):
     run = tmp_path / "b" / "runs" / "exp"
     monkeypatch.setattr(checkpoint, "save", save_then_stop(1))
     with pytest.raises(KeyboardInterrupt):
-        train.main(train.get_args_parser().parse_args(["--resume", str(run / "weights" / "last.pt")]))
+        train.main(
+            train.get_args_parser().parse_args(["--resume", str(run / "weights" / "last.pt")])
+        )
     monkeypatch.setattr(checkpoint, "save", save)
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # the same command again, as torchrun restarts it
+    monkeypatch.setenv(
+        "TORCHELASTIC_RESTART_COUNT", "1"
+    )  # the same command again, as torchrun restarts it
     assert Path(train.main(args_for(tmp_path / "b", *common))["save_dir"]) == run
 
     a, b = (torch.load(r / "weights" / "last.pt", weights_only=True) for r in (whole, run))
@@ -308,14 +380,19 @@ def test_resume_continues_exactly(tmp_path, data_dir, monkeypatch):
 
 
 def test_weights_transfer_and_freeze(tmp_path, data_dir, fixtures_dir, capsys):
-    """--weights: a yolov5 .pt (nc 80) into an nc-80 model: everything but the anchors is taken over."""
+    """--weights: a yolov5 .pt (nc 80) into an nc-80 model: everything but the anchors is taken
+    over."""
     src = fixtures_dir / "yolov5n_random_v5format.pt"
-    args = args_for(tmp_path, "--data", str(data_dir / "coco8.yaml"), "--weights", str(src), "--freeze", "10")
+    args = args_for(
+        tmp_path, "--data", str(data_dir / "coco8.yaml"), "--weights", str(src), "--freeze", "10"
+    )
     model = train.build_model(args, load_data_config(args.data), None)
     n = len(model.state_dict())
     assert f"Transferred {n - 1}/{n} items" in capsys.readouterr().out  # all but model.24.anchors
     ref = load_model(src).state_dict()
-    assert all(torch.equal(v, ref[k]) for k, v in model.state_dict().items() if not k.endswith("anchors"))
+    assert all(
+        torch.equal(v, ref[k]) for k, v in model.state_dict().items() if not k.endswith("anchors")
+    )
     frozen = {k for k, p in model.named_parameters() if not p.requires_grad}
     assert frozen and all(int(k.split(".")[1]) < 10 for k in frozen)  # the backbone, layers 0-9
     assert all(p.requires_grad for k, p in model.named_parameters() if int(k.split(".")[1]) >= 10)

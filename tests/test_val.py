@@ -1,5 +1,7 @@
-"""val.py: evaluate() through the real data pipeline with an oracle model (checked against pycocotools on
-the written predictions.json), and the command line end to end on real checkpoints."""
+"""val.py: evaluate() through the real data pipeline with an oracle model (checked against
+pycocotools on the written predictions.json), and the command line end to end on real
+checkpoints."""
+
 import contextlib
 import io
 import json
@@ -24,8 +26,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 class Oracle(nn.Module):
-    """Stands in for a network: replays the loader's labels as decoded predictions (jittered, random scores,
-    one miss per image, a few false positives); for segmentation, prototype k is the k-th GT mask."""
+    """Stands in for a network: replays the loader's labels as decoded predictions (jittered,
+    random scores, one miss per image, a few false positives); for segmentation, prototype k is the
+    k-th GT mask."""
 
     def __init__(self, dataset, batch_size, task, nc=80, nm=32):
         super().__init__()
@@ -45,14 +48,20 @@ class Oracle(nn.Module):
                 if k == 1:
                     continue  # a miss
                 s = rng.uniform(0.0, 0.08)
-                box = [(cx + rng.normal() * s * bw) * w, (cy + rng.normal() * s * bh) * h,
-                       bw * np.exp(rng.normal() * s) * w, bh * np.exp(rng.normal() * s) * h]
+                box = [
+                    (cx + rng.normal() * s * bw) * w,
+                    (cy + rng.normal() * s * bh) * h,
+                    bw * np.exp(rng.normal() * s) * w,
+                    bh * np.exp(rng.normal() * s) * h,
+                ]
                 preds[i, k, :5] = torch.tensor([*box, 1.0])
                 preds[i, k, 5 + int(c)] = rng.uniform(0.05, 1.0)
                 if self.nm:
                     preds[i, k, 5 + self.nc + k] = 1.0
             for k in range(30, 33):  # false positives
-                preds[i, k, :5] = torch.tensor([rng.uniform(10, w - 10), rng.uniform(10, h - 10), 20, 20, 1.0])
+                preds[i, k, :5] = torch.tensor(
+                    [rng.uniform(10, w - 10), rng.uniform(10, h - 10), 20, 20, 1.0]
+                )
                 preds[i, k, 5 + int(rng.integers(0, self.nc))] = rng.uniform(0.05, 1.0)
         if self.task == "detect":
             return preds
@@ -62,7 +71,10 @@ class Oracle(nn.Module):
 
 
 def cocoeval(gt_file, pred_file, iou_type):
-    coco, cocoeval = pytest.importorskip("pycocotools.coco"), pytest.importorskip("pycocotools.cocoeval")
+    coco, cocoeval = (
+        pytest.importorskip("pycocotools.coco"),
+        pytest.importorskip("pycocotools.cocoeval"),
+    )
     with contextlib.redirect_stdout(io.StringIO()):
         gt = coco.COCO(str(gt_file))
         ev = cocoeval.COCOeval(gt, gt.loadRes(str(pred_file)), iou_type)
@@ -76,12 +88,18 @@ def cocoeval(gt_file, pred_file, iou_type):
 @pytest.mark.parametrize("name, task", [("coco8", "detect"), ("coco8-seg", "segment")])
 def test_evaluate_oracle_matches_pycocotools_on_predictions_json(data_dir, tmp_path, name, task):
     data = load_data_config(str(data_dir / f"{name}.yaml"))
-    dataset = YOLODataset(data["val"], imgsz=160, task=task, rect=True, batch_size=2, stride=32, nc=80)
+    dataset = YOLODataset(
+        data["val"], imgsz=160, task=task, rect=True, batch_size=2, stride=32, nc=80
+    )
     loader, _ = build_dataloader(dataset, 2, workers=0, shuffle=False)
     model = Oracle(dataset, 2, task)
     res = val.evaluate(model, loader, dataset, save_json=tmp_path / "p.json")
     m = res["metrics"]
-    assert res["images"] == 4 and res["instances"] == 17 and set(res["speed"]) == {"preprocess", "inference", "nms"}
+    assert (
+        res["images"] == 4
+        and res["instances"] == 17
+        and set(res["speed"]) == {"preprocess", "inference", "nms"}
+    )
     gt_file = data_dir / name / "annotations/instances_val.json"
     ap, ap50 = cocoeval(gt_file, tmp_path / "p.json", "bbox")
     assert 0.2 < ap < 0.95
@@ -109,13 +127,44 @@ def test_val_main_on_checkpoints(fixtures_dir, data_dir, tmp_path, kind):
     else:
         model = Model("yolov5n-seg.yaml", nc=80)
         weights, data = tmp_path / "seg.pt", data_dir / "coco8-seg.yaml"
-        torch.save({"model_cfg": model.yaml, "model": model.state_dict(), "ema": None, "names": model.names,
-                    "task": model.task}, weights)
+        torch.save(
+            {
+                "model_cfg": model.yaml,
+                "model": model.state_dict(),
+                "ema": None,
+                "names": model.names,
+                "task": model.task,
+            },
+            weights,
+        )
     args = val.get_args_parser().parse_args(
-        ["--weights", str(weights), "--data", str(data), "--imgsz", "96", "--batch-size", "2", "--device", "cpu",
-         "--workers", "0", "--conf-thres", "0.0001", "--max-det", "100", "--save-json", "--coco-ids", "--plots",
-         "--verbose",
-         "--project", str(tmp_path / "runs"), "--name", "exp"])
+        [
+            "--weights",
+            str(weights),
+            "--data",
+            str(data),
+            "--imgsz",
+            "96",
+            "--batch-size",
+            "2",
+            "--device",
+            "cpu",
+            "--workers",
+            "0",
+            "--conf-thres",
+            "0.0001",
+            "--max-det",
+            "100",
+            "--save-json",
+            "--coco-ids",
+            "--plots",
+            "--verbose",
+            "--project",
+            str(tmp_path / "runs"),
+            "--name",
+            "exp",
+        ]
+    )
     res = val.main(args)
     out = tmp_path / "runs" / "exp"
     metrics = json.loads((out / "metrics.json").read_text())
@@ -139,56 +188,187 @@ def test_save_dir_increments(tmp_path):
 
 @pytest.mark.slow
 def test_val_under_torchrun_equals_one_process(fixtures_dir, data_dir, tmp_path):
-    # batch 3 over 2 ranks: rank 0 scores images 0-2, rank 1 image 3; each rank must print the 1-process numbers
-    common = [str(ROOT / "val.py"), "--weights", str(fixtures_dir / "yolov5n_random_v5format.pt"),
-              "--data", str(data_dir / "coco8.yaml"), "--imgsz", "96", "--batch-size", "3", "--device", "cpu",
-              "--workers", "0", "--conf-thres", "0.0001", "--project", str(tmp_path)]
+    # batch 3 over 2 ranks: rank 0 scores images 0-2, rank 1 image 3; each rank must print the
+    # 1-process numbers
+    common = [
+        str(ROOT / "val.py"),
+        "--weights",
+        str(fixtures_dir / "yolov5n_random_v5format.pt"),
+        "--data",
+        str(data_dir / "coco8.yaml"),
+        "--imgsz",
+        "96",
+        "--batch-size",
+        "3",
+        "--device",
+        "cpu",
+        "--workers",
+        "0",
+        "--conf-thres",
+        "0.0001",
+        "--project",
+        str(tmp_path),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    subprocess.run([sys.executable, *common, "--name", "one"], check=True, env=env, cwd=ROOT, capture_output=True)
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                          *common, "--name", "two"], env=env, cwd=ROOT, capture_output=True, text=True)
+    subprocess.run(
+        [sys.executable, *common, "--name", "one"],
+        check=True,
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+    )
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            *common,
+            "--name",
+            "two",
+        ],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     one, two = (json.loads((tmp_path / n / "metrics.json").read_text()) for n in ("one", "two"))
-    assert two["images"] == 4 and two["metrics"] == one["metrics"] and one["metrics"]["mAP50(B)"] > 0
+    assert (
+        two["images"] == 4 and two["metrics"] == one["metrics"] and one["metrics"]["mAP50(B)"] > 0
+    )
 
 
 # the official COCO 2017 category id of each of the 80 detection classes, by name (ids 12, 26, 29,
 # 30, 45, 66, 68, 69, 71, 83 and 91 are unused); ../shared's annotations number them 1..80 instead
 OFFICIAL_COCO_IDS = {
-    "person": 1, "bicycle": 2, "car": 3, "motorcycle": 4, "airplane": 5, "bus": 6, "train": 7,
-    "truck": 8, "boat": 9, "traffic light": 10, "fire hydrant": 11, "stop sign": 13,
-    "parking meter": 14, "bench": 15, "bird": 16, "cat": 17, "dog": 18, "horse": 19, "sheep": 20,
-    "cow": 21, "elephant": 22, "bear": 23, "zebra": 24, "giraffe": 25, "backpack": 27,
-    "umbrella": 28, "handbag": 31, "tie": 32, "suitcase": 33, "frisbee": 34, "skis": 35,
-    "snowboard": 36, "sports ball": 37, "kite": 38, "baseball bat": 39, "baseball glove": 40,
-    "skateboard": 41, "surfboard": 42, "tennis racket": 43, "bottle": 44, "wine glass": 46,
-    "cup": 47, "fork": 48, "knife": 49, "spoon": 50, "bowl": 51, "banana": 52, "apple": 53,
-    "sandwich": 54, "orange": 55, "broccoli": 56, "carrot": 57, "hot dog": 58, "pizza": 59,
-    "donut": 60, "cake": 61, "chair": 62, "couch": 63, "potted plant": 64, "bed": 65,
-    "dining table": 67, "toilet": 70, "tv": 72, "laptop": 73, "mouse": 74, "remote": 75,
-    "keyboard": 76, "cell phone": 77, "microwave": 78, "oven": 79, "toaster": 80, "sink": 81,
-    "refrigerator": 82, "book": 84, "clock": 85, "vase": 86, "scissors": 87, "teddy bear": 88,
-    "hair drier": 89, "toothbrush": 90,
+    "person": 1,
+    "bicycle": 2,
+    "car": 3,
+    "motorcycle": 4,
+    "airplane": 5,
+    "bus": 6,
+    "train": 7,
+    "truck": 8,
+    "boat": 9,
+    "traffic light": 10,
+    "fire hydrant": 11,
+    "stop sign": 13,
+    "parking meter": 14,
+    "bench": 15,
+    "bird": 16,
+    "cat": 17,
+    "dog": 18,
+    "horse": 19,
+    "sheep": 20,
+    "cow": 21,
+    "elephant": 22,
+    "bear": 23,
+    "zebra": 24,
+    "giraffe": 25,
+    "backpack": 27,
+    "umbrella": 28,
+    "handbag": 31,
+    "tie": 32,
+    "suitcase": 33,
+    "frisbee": 34,
+    "skis": 35,
+    "snowboard": 36,
+    "sports ball": 37,
+    "kite": 38,
+    "baseball bat": 39,
+    "baseball glove": 40,
+    "skateboard": 41,
+    "surfboard": 42,
+    "tennis racket": 43,
+    "bottle": 44,
+    "wine glass": 46,
+    "cup": 47,
+    "fork": 48,
+    "knife": 49,
+    "spoon": 50,
+    "bowl": 51,
+    "banana": 52,
+    "apple": 53,
+    "sandwich": 54,
+    "orange": 55,
+    "broccoli": 56,
+    "carrot": 57,
+    "hot dog": 58,
+    "pizza": 59,
+    "donut": 60,
+    "cake": 61,
+    "chair": 62,
+    "couch": 63,
+    "potted plant": 64,
+    "bed": 65,
+    "dining table": 67,
+    "toilet": 70,
+    "tv": 72,
+    "laptop": 73,
+    "mouse": 74,
+    "remote": 75,
+    "keyboard": 76,
+    "cell phone": 77,
+    "microwave": 78,
+    "oven": 79,
+    "toaster": 80,
+    "sink": 81,
+    "refrigerator": 82,
+    "book": 84,
+    "clock": 85,
+    "vase": 86,
+    "scissors": 87,
+    "teddy bear": 88,
+    "hair drier": 89,
+    "toothbrush": 90,
 }
 
 
 def test_coco_ids_are_the_official_category_ids(fixtures_dir, data_dir, tmp_path):
     """--save-json writes category_id = class + 1 (as ../shared's annotations number them); with
     --coco-ids the same detections, in the same order, carry the official COCO id of their class.
-    (Random weights, a low threshold and many detections per image: all 80 classes are predicted.)"""
+    (Random weights, a low threshold and many detections per image: all 80 classes are
+    predicted.)"""
     names = yaml.safe_load((data_dir / "coco8.yaml").read_text())["names"]
     cats = json.loads((data_dir / "coco8" / "annotations" / "instances_val.json").read_text())
     assert {c["id"]: c["name"] for c in cats["categories"]} == {i + 1: names[i] for i in range(80)}
     official = [OFFICIAL_COCO_IDS[names[i]] for i in range(80)]
     assert len(set(official)) == 80
     for name, extra in (("plain", []), ("coco", ["--coco-ids"])):
-        val.main(val.get_args_parser().parse_args(
-            ["--weights", str(fixtures_dir / "yolov5n_random_v5format.pt"),
-             "--data", str(data_dir / "coco8.yaml"), "--imgsz", "64", "--batch-size", "2",
-             "--device", "cpu", "--workers", "0", "--conf-thres", "0.0001", "--max-det", "3000",
-             "--save-json", "--project", str(tmp_path), "--name", name, *extra]))
-    plain, coco = (json.loads((tmp_path / n / "predictions.json").read_text())
-                   for n in ("plain", "coco"))
+        val.main(
+            val.get_args_parser().parse_args(
+                [
+                    "--weights",
+                    str(fixtures_dir / "yolov5n_random_v5format.pt"),
+                    "--data",
+                    str(data_dir / "coco8.yaml"),
+                    "--imgsz",
+                    "64",
+                    "--batch-size",
+                    "2",
+                    "--device",
+                    "cpu",
+                    "--workers",
+                    "0",
+                    "--conf-thres",
+                    "0.0001",
+                    "--max-det",
+                    "3000",
+                    "--save-json",
+                    "--project",
+                    str(tmp_path),
+                    "--name",
+                    name,
+                    *extra,
+                ]
+            )
+        )
+    plain, coco = (
+        json.loads((tmp_path / n / "predictions.json").read_text()) for n in ("plain", "coco")
+    )
     classes = [p["category_id"] - 1 for p in plain]
     assert len(plain) == len(coco) > 0
     assert sorted(set(classes)) == list(range(80))  # every class, so every id is checked
@@ -201,16 +381,42 @@ def test_bad_input_is_one_line_exit_2(fixtures_dir, data_dir, tmp_path):
     stderr, exit code 2."""
     text = tmp_path / "notes.pt"
     text.write_text("these are not weights\n")
-    common = [sys.executable, str(ROOT / "val.py"), "--imgsz", "64", "--workers", "0",
-              "--project", str(tmp_path / "runs")]
-    cases = {"missing.yaml": ["--weights", str(fixtures_dir / "yolov5n_random_v5format.pt"),
-                              "--data", str(tmp_path / "missing.yaml")],
-             "not a PyTorch checkpoint": ["--weights", str(text),
-                                          "--data", str(data_dir / "coco8.yaml")]}
+    common = [
+        sys.executable,
+        str(ROOT / "val.py"),
+        "--imgsz",
+        "64",
+        "--workers",
+        "0",
+        "--project",
+        str(tmp_path / "runs"),
+    ]
+    cases = {
+        "missing.yaml": [
+            "--weights",
+            str(fixtures_dir / "yolov5n_random_v5format.pt"),
+            "--data",
+            str(tmp_path / "missing.yaml"),
+        ],
+        "not a PyTorch checkpoint": [
+            "--weights",
+            str(text),
+            "--data",
+            str(data_dir / "coco8.yaml"),
+        ],
+    }
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = {msg: subprocess.Popen([*common, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                   stderr=subprocess.PIPE, text=True)
-             for msg, args in cases.items()}
+    procs = {
+        msg: subprocess.Popen(
+            [*common, *args],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for msg, args in cases.items()
+    }
     for msg, p in procs.items():
         try:
             _, err = p.communicate(timeout=120)
