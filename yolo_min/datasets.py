@@ -93,13 +93,11 @@ def available_memory() -> int:
 
 
 class YOLODataset(Dataset):
-    """YOLO-format images and labels as training (mosaic) or validation (letterbox) samples: `image`
-    uint8 (3,H,W) RGB; `targets` float32 (n,5) [cls, cx, cy, w, h] normalised; `masks` (H/4,W/4)
-    overlap index map (k: the k-th target) or None; `path`; `shape` (orig_hw, ((rh, rw), (padw,
-    padh))): input = original * r + pad; `index`. `labels[i]`: see load_labels. hyp: the recipe, for
-    augment. rect: files sorted by aspect ratio, batch b (batch_size consecutive indices) shaped
-    `batch_shapes[b]`. cache "ram": images kept in RAM at long side imgsz; "auto": the same when the
-    local_world_size processes of this node need < 10% of the free memory."""
+    """YOLO images and labels as training (mosaic) or validation (letterbox) samples: `image` uint8
+    (3,H,W) RGB; `targets` float32 (n,5) [cls, cx, cy, w, h] normalised; `masks` (H/4,W/4) overlap
+    index map (k: the k-th target) or None; `path`; `shape` (orig_hw, ((rh, rw), (padw, padh))):
+    input = original * r + pad; `index`. rect: sorted by h/w, batch b shaped batch_shapes[b].
+    cache "ram": images in RAM at long side imgsz; "auto": if this node's processes need < 10%."""
 
     def __init__(
         self,
@@ -143,8 +141,9 @@ class YOLODataset(Dataset):
             gb = f"needs {need / 1e9:.1f} GB, {free / 1e9:.1f} GB is available"
             raise DataError(f"{prefix}caching the images in RAM {gb}: use --cache off")
         if cache == "ram":  # forked workers share these pages
+            args = range(len(self)), *self._dims.T, self._dims[:, 0] / hw[:, 1]  # i, w, h, scale
             with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:  # PIL decodes without GIL
-                self._ram = list(pool.map(self._cached, range(len(self))))
+                self._ram = list(pool.map(self._decode, *args))
             if verbose:
                 print(f"{prefix}{len(self)} images cached in RAM ({size / 1e6:.0f} MB)", flush=True)
 
@@ -157,31 +156,26 @@ class YOLODataset(Dataset):
         return len(self.im_files)
 
     def load_image(self, i: int, scale: float = 1.0) -> tuple[torch.Tensor, tuple]:
-        """Image i as uint8 (h,w,3) RGB and its (sx, sy) size relative to the original: the RAM
-        copy, or decoded at >= `scale` x the original size where the format allows (JPEG DCT)."""
-        im = self._ram[i] if self._ram else np.array(self._decode(i, scale))
+        """Image i, uint8 (h,w,3) RGB at >= scale x its size (RAM or JPEG draft), and (sx, sy)."""
+        im = self._ram[i] if self._ram else self._decode(i, scale=scale)
         (h0, w0), (h, w) = self.labels[i]["shape"], im.shape[:2]
         return torch.from_numpy(im), (w / w0, h / h0)
 
-    def _cached(self, i: int) -> np.ndarray:
-        w, h = map(int, self._dims[i])
-        im = self._decode(i, w / self.labels[i]["shape"][1])  # drafted at >= the cached size
-        return np.array(im.resize((w, h), Image.Resampling.BILINEAR))
-
-    def _decode(self, i: int, scale: float) -> Image.Image:
+    def _decode(self, i: int, w: int = 0, h: int = 0, scale: float = 1.0) -> np.ndarray:
+        """Image i drafted at >= scale x its size (JPEG), resized to (w, h) if given."""
         f = self.im_files[i]
         try:
             im = Image.open(f)
             if scale < 1:
                 im.draft("RGB", (math.ceil(im.width * scale), math.ceil(im.height * scale)))
             im = ImageOps.exif_transpose(im) if im.getexif().get(0x0112, 1) != 1 else im
-            return im if im.mode == "RGB" else im.convert("RGB")
+            im = im if im.mode == "RGB" else im.convert("RGB")
+            return np.array(im.resize((int(w), int(h)), Image.Resampling.BILINEAR) if w else im)
         except Exception as e:
             raise DataError(f"{f}: unreadable now ({e}); it changed after verification") from e
 
     def _pieces(self, i: int, mosaic: bool) -> tuple[list, tuple]:
-        """Where the source images go on the canvas -> (pieces, canvas (w, h)): a mosaic of 4 on
-        2s x 2s around a random centre, or image i letterboxed into its input shape."""
+        """-> (pieces, canvas (w, h)): a mosaic of 4 around a random centre, or i letterboxed."""
         s = self.imgsz
         if not mosaic:
             h0, w0 = self.labels[i]["shape"]
@@ -201,8 +195,7 @@ class YOLODataset(Dataset):
         return pieces, (2 * s, 2 * s)
 
     def __getitem__(self, key: int | tuple) -> dict:
-        """key: an index, or (seed, epoch, index) from EpochSampler, which seeds this sample's
-        augmentation: the same images at any worker count or rank."""
+        """key: an index, or (seed, epoch, index) from EpochSampler: seeds the augmentation."""
         if isinstance(key, tuple):
             random.seed("%d:%d:%d" % key)
         i = key[2] if isinstance(key, tuple) else key
@@ -282,8 +275,7 @@ class ClassifyDataset(ImageFolder):
             raise DataError(f"{prefix}no usable images in {root}: all are corrupt")
 
     def __getitem__(self, key: int | tuple) -> dict:
-        """key: an index, or (seed, epoch, index) from EpochSampler, which seeds this sample's
-        augmentation (torch's random numbers, in a fork of them): the same at any worker count."""
+        """key: an index, or (seed, epoch, index): seeds torch's random numbers, in a fork."""
         i = key[2] if isinstance(key, tuple) else key
         with torch.random.fork_rng(devices=[], enabled=isinstance(key, tuple)):
             if isinstance(key, tuple):
@@ -324,9 +316,8 @@ class EpochSampler(DistributedSampler):
 def build_dataloader(
     dataset, batch_size, workers=8, shuffle=True, rank=0, world_size=1, seed=0, local_world_size=1
 ) -> tuple:
-    """-> (DataLoader, sampler): for training (shuffle) a seeded EpochSampler, also at world size 1
-    (call `sampler.set_epoch(e)`), else the `shard_batches` list. `workers` is capped at this
-    process's share of the CPUs (local_world_size processes share them)."""
+    """-> (DataLoader, sampler): shuffle: a seeded EpochSampler (call `sampler.set_epoch(e)`), else
+    the `shard_batches` list. `workers` is capped at this process's share of the CPUs."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     workers = min(workers, max(cpus // local_world_size, 1))
     kw = dict(collate_fn=collate, num_workers=workers, persistent_workers=workers > 0)
@@ -334,8 +325,5 @@ def build_dataloader(
     if shuffle:
         sampler = EpochSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed)
         return DataLoader(dataset, batch_size=batch_size, sampler=sampler, **kw), sampler
-    if dataset.rect and batch_size != dataset.batch_size:
-        built = dataset.batch_size
-        raise ValueError(f"rect dataset built for batch {built}, loader asked for {batch_size}")
     sampler = shard_batches(len(dataset), batch_size, rank, world_size)
     return DataLoader(dataset, batch_sampler=sampler, **kw), sampler
