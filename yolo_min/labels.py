@@ -161,8 +161,7 @@ def verify(im_file: str, lb_file: str, nc: int | None = None) -> tuple:
 
 
 def _verify_all(files: list, lb_files: list, nc) -> dict:
-    """Verify every pair (threads) -> plain lists per file, and per row flat tensors (one file
-    holds the whole dataset, readable by torch.load(weights_only=True))."""
+    """Verify every pair -> lists per file, flat tensors per row (weights_only-loadable)."""
     with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as ex:
         res = list(ex.map(lambda a: verify(*a, nc), zip(files, lb_files)))
     status, shapes, file_rows, file_msgs, dropped, fixed = zip(*res)
@@ -182,17 +181,13 @@ def _verify_all(files: list, lb_files: list, nc) -> dict:
 
 
 def _load_or_build(files: list, nc, prefix: str, verbose: bool) -> dict:
-    """Verification results from `labels/<split>.cache` when its key (this code's version, nc, each
-    image and label file's path, size, mtime and mode) matches, else verified now and saved."""
+    """Verification results from `labels/<split>.cache` if its key (version, nc, each file's path,
+    size, mtime, mode) matches, else verified now and saved."""
     lb_files = [img2label_path(f) for f in files]
     h = hashlib.sha256(f"{CACHE_VERSION}|{nc}".encode())
     for f in files + lb_files:
-        try:
-            s = os.stat(f)
-            s = (s.st_size, s.st_mtime_ns, s.st_mode)
-        except (OSError, ValueError):  # absent (what os.path.exists would say False to)
-            s = None
-        h.update(f"{f}|{s}\n".encode())
+        s = os.stat(f) if os.path.exists(f) else None
+        h.update(f"{f}|{s and (s.st_size, s.st_mtime_ns, s.st_mode)}\n".encode())
     key, path = h.hexdigest(), Path(os.path.dirname(lb_files[0]) + ".cache")
     try:
         data = torch.load(path, weights_only=True)  # tensors, lists, numbers, strings: no code
