@@ -292,22 +292,19 @@ def collate(samples: list[dict]) -> dict:
     targets = torch.cat([F.pad(s["targets"], (1, 0), value=k) for k, s in enumerate(samples)])
     masks = [s["masks"] for s in samples]
     masks = None if masks[0] is None else torch.stack(masks).float()
-    batch = dict(images=images, targets=targets, masks=masks, paths=[s["path"] for s in samples])
-    batch["shapes"] = [s["shape"] for s in samples]
-    batch["indices"] = torch.tensor([s["index"] for s in samples], dtype=torch.int64)
-    return batch
+    indices = torch.tensor([s["index"] for s in samples], dtype=torch.int64)
+    lists = {f"{k}s": [s[k] for s in samples] for k in ("path", "shape")}  # paths, shapes
+    return dict(images=images, targets=targets, masks=masks, indices=indices, **lists)
 
 
 def shard_batches(n: int, batch_size: int, rank: int = 0, world_size: int = 1) -> list[list[int]]:
-    """Validation batches of this rank: whole consecutive batches dealt round-robin, so every index
-    is on exactly one rank, nothing is padded (a rank may get none) and rect batch shapes hold."""
+    """This rank's validation batches: consecutive batches dealt round-robin, none padded."""
     starts = range(rank * batch_size, n, world_size * batch_size)
     return [list(range(s, min(s + batch_size, n))) for s in starts]
 
 
 class EpochSampler(DistributedSampler):
-    """DistributedSampler yielding (seed, epoch, index) keys, so each sample's augmentation depends
-    only on them: the same batches for any number of workers, and after a resume."""
+    """DistributedSampler of (seed, epoch, index) keys: augmentation independent of workers."""
 
     def __iter__(self):
         return ((self.seed, self.epoch, i) for i in super().__iter__())

@@ -236,6 +236,5 @@ def load_labels(files: list, nc: int | None = None, prefix: str = "", verbose: b
     if verbose:
         print(prefix + SUMMARY.format(**stats), flush=True)
     if not keep:
-        why = f"all {len(files)} are corrupt (see the warnings above)"
-        raise DataError(f"{prefix}no usable images: {why}")
+        raise DataError(f"{prefix}no usable images: all {len(files)} are corrupt")  # warned above
     return keep, labels, stats

@@ -49,9 +49,8 @@ def draw_batch(images, targets=None, masks=None, *, fname, names=None, preds=Non
 
 
 def draw_detections(image, boxes, cls, conf=None, names=None, masks=None, width=1, labels=True):
-    """uint8 (3, H, W) image with bool masks (n, H, W) blended in (alpha 0.5) and boxes (n, 4)
-    xyxy pixels drawn in the colours of classes cls, labelled "name conf" ("name" if conf is None,
-    nothing unless labels); a new tensor, or the image itself when cls is empty."""
+    """uint8 (3,H,W) image with bool masks (n,H,W) blended in and boxes (n,4) xyxy px drawn in the
+    colours of classes cls, labelled "name conf" ("name" if conf is None, nothing unless labels)."""
     if not cls:
         return image
     colors = [PALETTE[c % len(PALETTE)] for c in cls]
