@@ -116,16 +116,13 @@ def place_labels(pieces: list, labels: list, M: np.ndarray, sc: float, out_wh: t
         d = M[2, 0] * x + M[2, 1] * y + M[2, 2]  # exactly 1 for an affine M
         qx = (M[0, 0] * x + M[0, 1] * y + M[0, 2]) / d
         qy = (M[1, 0] * x + M[1, 1] * y + M[1, 2]) / d
-        if seg:
-            ins = (qx >= 0) & (qx <= W) & (qy >= 0) & (qy <= H)
-            lo = [np.where(ins, q, np.inf).min(1) for q in (qx, qy)]
-            hi = [np.where(ins, q, -np.inf).max(1) for q in (qx, qy)]
-            after = np.stack(lo + hi, 1)
-            after[~ins.any(1)] = 0
-            polys += list(np.stack([qx, qy], 2))
-        else:
-            after = np.stack([qx.min(1), qy.min(1), qx.max(1), qy.max(1)], 1).clip(0, (W, H, W, H))
-            polys += [None] * len(qx)
+        # a polygon's box: the extent of its points inside the output; a box's: its corners, clipped
+        ins = (qx >= 0) & (qx <= W) & (qy >= 0) & (qy <= H) if seg else np.ones_like(qx, bool)
+        lo = [np.where(ins, q, np.inf).min(1) for q in (qx, qy)]
+        hi = [np.where(ins, q, -np.inf).max(1) for q in (qx, qy)]
+        after = np.stack(lo + hi, 1).clip(0, (W, H, W, H))
+        after[~ins.any(1)] = 0
+        polys += list(np.stack([qx, qy], 2)) if seg else [None] * len(qx)
         out.append((lb["cls"], before, after, np.full(len(qx), seg)))
     if not out:
         return np.zeros(0, np.int64), np.zeros((0, 4), np.float32), []

@@ -231,9 +231,8 @@ class YOLODataset(Dataset):
         [(k,2) float32] (rectangles of box rows for segment data; [] for detect data), orig_hw."""
         lb = self.labels[i]
         wh = np.array(lb["shape"][::-1], np.float32)
-        segs = lb["segments"]
-        if not segs and self.task == "segment":
-            segs = list(box_corners(xywh2xyxy(lb["bboxes"])))
+        rects = list(box_corners(xywh2xyxy(lb["bboxes"]))) if self.task == "segment" else []
+        segs = lb["segments"] or rects
         boxes = xywh2xyxy(torch.from_numpy(lb["bboxes"] * np.tile(wh, 2)))
         cls = torch.as_tensor(lb["cls"], dtype=torch.int64)
         return dict(cls=cls, boxes=boxes, polygons=[s * wh for s in segs], orig_hw=lb["shape"])

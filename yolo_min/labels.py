@@ -215,11 +215,6 @@ def load_labels(files: list, nc: int | None = None, prefix: str = "", verbose: b
     cls (n,) int64, bboxes (n,4) float32 normalised xywh, segments [(k,2) float32 normalised] or [],
     shape (h, w). verbose: print the warnings and a summary line."""
     d = _load_or_build(files, nc, prefix, verbose)
-    msgs, stop = d["msgs"], MAX_WARNINGS
-    if verbose:
-        more = [f"... and {len(msgs) - stop} more"] if len(msgs) > stop else []
-        for m in msgs[:stop] + more:
-            print(f"WARNING {prefix}{m}", flush=True)
     starts = np.cumsum([0, *d["nrows"]])  # file i's rows: starts[i] to starts[i + 1]
     polys = np.split(d["pts"].numpy(), np.cumsum(d["npts"])[:-1])  # per row; (0, 2) for a box
     cls, boxes = d["cls"].numpy(), d["boxes"].numpy()
@@ -229,11 +224,14 @@ def load_labels(files: list, nc: int | None = None, prefix: str = "", verbose: b
         segs = [p for p in polys[a:b] if len(p)]
         keep.append(files[i])
         labels.append(dict(cls=cls[a:b], bboxes=boxes[a:b], segments=segs, shape=d["shapes"][i]))
-    counts = np.bincount(d["status"], minlength=4).tolist()
+    msgs, counts = d["msgs"], np.bincount(d["status"], minlength=4).tolist()
     stats = dict(images=len(files), **dict(zip(("found", "missing", "empty", "corrupt"), counts)))
     # instances: every row, as corrupt files have none
     stats.update(instances=len(cls), dropped=d["dropped"], fixed=d["fixed"], warnings=len(msgs))
     if verbose:
+        more = [f"... and {len(msgs) - MAX_WARNINGS} more"] if len(msgs) > MAX_WARNINGS else []
+        for m in msgs[:MAX_WARNINGS] + more:
+            print(f"WARNING {prefix}{m}", flush=True)
         print(prefix + SUMMARY.format(**stats), flush=True)
     if not keep:
         raise DataError(f"{prefix}no usable images: all {len(files)} are corrupt")  # warned above
