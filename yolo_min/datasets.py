@@ -1,5 +1,4 @@
-"""The data config, YOLODataset (mosaic or letterbox), ClassifyDataset, collate, samplers, loaders.
-labels.py finds and verifies files, augment.py does geometry. Ranks are the caller's arguments."""
+"""The data config, YOLODataset (mosaic or letterbox), ClassifyDataset, samplers and loaders."""
 
 from __future__ import annotations
 
@@ -244,14 +243,12 @@ def load_rgb(path: str) -> Image.Image:
 
 
 def center_square(im: Image.Image) -> Image.Image:
-    """The centred square of side min(h, w)."""
     return v2.functional.center_crop(im, min(im.size))
 
 
 class ClassifyDataset(ImageFolder):
-    """An ImageFolder split (root/<class>/<image>) as samples: `image` uint8 (3, imgsz, imgsz) RGB
-    (the net takes it / 255, normalised by IMAGENET_MEAN/STD), `targets` int64 (1, 1) [cls], `path`,
-    `index`. augment: yolov5's recipe, else the centre square resized. Corrupt files: skipped."""
+    """ImageFolder split (root/<class>/*) as samples: `image` uint8 (3,imgsz,imgsz) RGB, `targets`
+    int64 (1,1) [cls], `path`, `index`. augment: yolov5's recipe, else the centre square resized."""
 
     task, rect = "classify", False
 

@@ -198,9 +198,9 @@ def _load_or_build(files: list, nc, prefix: str, verbose: bool) -> dict:
     data = dict(_verify_all(files, lb_files, nc), key=key)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # written whole, then renamed
     try:
-        d = path.parent  # root ignores permission bits; a folder marked read-only is respected
-        if not (os.access(d, os.W_OK) and d.stat().st_mode & 0o222):
-            raise PermissionError(f"{d} is not writable")
+        # root ignores permission bits; a folder marked read-only is respected
+        if not (os.access(path.parent, os.W_OK) and path.parent.stat().st_mode & 0o222):
+            raise PermissionError(f"{path.parent} is not writable")
         torch.save(data, tmp)
         os.replace(tmp, path)
     except (OSError, RuntimeError) as e:  # RuntimeError: torch's zip writer, e.g. disk full
@@ -211,9 +211,8 @@ def _load_or_build(files: list, nc, prefix: str, verbose: bool) -> dict:
 
 
 def load_labels(files: list, nc: int | None = None, prefix: str = "", verbose: bool = True):
-    """Verified (cached) labels of image files -> (usable files, label dicts, counts). A label dict:
-    cls (n,) int64, bboxes (n,4) float32 normalised xywh, segments [(k,2) float32 normalised] or [],
-    shape (h, w). verbose: print the warnings and a summary line."""
+    """Verified (cached) labels -> (usable files, label dicts, counts); label dict: cls (n,) int64,
+    bboxes (n,4) float32 normalised xywh, segments [(k,2) float32 normalised], shape (h, w)."""
     d = _load_or_build(files, nc, prefix, verbose)
     starts = np.cumsum([0, *d["nrows"]])  # file i's rows: starts[i] to starts[i + 1]
     polys = np.split(d["pts"].numpy(), np.cumsum(d["npts"])[:-1])  # per row; (0, 2) for a box
