@@ -104,7 +104,9 @@ def place_labels(pieces: list, labels: list, M: np.ndarray, sc: float, out_wh: t
     polygons (None: a box). A polygon: NPTS points clamped to its piece, its box the extent of those
     in the output; a box: its clipped corners. sc: the affine's scale; shifts: render's."""
     W, H = out_wh
-    out, polys = [], []  # per piece: cls, box before (canvas), box after (output), has-polygon
+    # per piece: cls, box before (canvas), box after (output), has-polygon; first: no rows at all
+    empty = (np.zeros(0, np.int64), np.zeros((0, 4)), np.zeros((0, 4)), np.zeros(0, bool))
+    out, polys = [empty], []
     for p, lb, (dx, dy) in zip(pieces, labels, shifts):
         if not len(lb["cls"]):
             continue
@@ -124,8 +126,6 @@ def place_labels(pieces: list, labels: list, M: np.ndarray, sc: float, out_wh: t
         after[~ins.any(1)] = 0
         polys += list(np.stack([qx, qy], 2)) if seg else [None] * len(qx)
         out.append((lb["cls"], before, after, np.full(len(qx), seg)))
-    if not out:
-        return np.zeros(0, np.int64), np.zeros((0, 4), np.float32), []
     cls, before, boxes, seg = map(np.concatenate, zip(*out))
     boxes, before = boxes.astype(np.float32), before * sc
     # yolov5's rule: wider and taller than 2 px, kept area > 1% (polygons) / 10%, aspect < 100

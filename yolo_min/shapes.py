@@ -64,9 +64,8 @@ def generate(root: Path, n_train=N_TRAIN, n_val=N_VAL, size=SIZE, seed=0) -> Pat
             im.save(root / "images" / split / f"{i:06d}.jpg", quality=92)
             rows = [" ".join([str(k), *(f"{v:.6f}" for v in p.ravel() / size)]) for k, p in labels]
             (root / "labels" / split / f"{i:06d}.txt").write_text("".join(f"{r}\n" for r in rows))
-    names = "".join(f"  {i}: {n}\n" for i, n in enumerate(NAMES))
     head = f"# yolo_min synthetic shapes v{VERSION}\npath: .\ntrain: images/train\n"
-    (root / "shapes.yaml").write_text(f"{head}val: images/val\nnc: {len(NAMES)}\nnames:\n{names}")
+    (root / "shapes.yaml").write_text(f"{head}val: images/val\nnames: [{', '.join(NAMES)}]\n")
     return root / "shapes.yaml"
 
 
