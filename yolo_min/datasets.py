@@ -67,8 +67,7 @@ def check_task(data: dict, task: str) -> None:
 
 
 def load_folder_data(path: str) -> dict:
-    """A classification dataset, root/train/<class>/*.jpg and root/val/<class>/ (or test/) -> {path,
-    names: train's class folders, sorted, nc, train: [folder], val: [folder]}."""
+    """Classification data root/{train,val or test}/<class>/* -> {path, names, nc, train, val}."""
     root = Path(path)
     root = shapes.ensure("shapes-cls") if str(path) == "shapes-cls" and not root.exists() else root
     train, val = root / "train", root / ("val" if (root / "val").is_dir() else "test")

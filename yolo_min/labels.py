@@ -43,8 +43,7 @@ def img2label_path(f: str) -> str:
 
 
 def list_images(sources, prefix: str = "", verbose: bool = True) -> list[str]:
-    """Image files of sources: folders (recursive), .txt lists (lines relative to the list's folder)
-    and files. verbose: warn about files without an image extension (skipped)."""
+    """Image files in sources: folders (recursive), .txt lists (relative to their folder), files."""
     files, skipped = [], []
     sources = [sources] if isinstance(sources, (str, Path)) else sources
     for src in map(Path, sources):
@@ -165,24 +164,22 @@ def _verify_all(files: list, lb_files: list, nc) -> dict:
     with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as ex:
         res = list(ex.map(lambda a: verify(*a, nc), zip(files, lb_files)))
     status, shapes, file_rows, file_msgs, dropped, fixed = zip(*res)
-    rows = [row for r in file_rows for row in r]
-    polys = [p for _, _, p in rows if p is not None] + [np.zeros((0, 2))]
+    cls, boxes, polys = list(zip(*[row for r in file_rows for row in r])) or [(), (), ()]
+    pts = [p for p in polys if p is not None] + [np.zeros((0, 2))]
     no_dir = sorted({os.path.dirname(lb) for s, lb in zip(status, lb_files) if s == MISSING})
     bg = "does not exist: its images are used as background"
     msgs = [m for ms in file_msgs for m in ms]
     msgs += [f"labels folder {d} {bg}" for d in no_dir if not os.path.isdir(d)]
-    cls = torch.tensor([c for c, _, _ in rows], dtype=torch.int64)
-    boxes = torch.from_numpy(np.array([b for _, b, _ in rows], np.float32).reshape(-1, 4))
-    pts = torch.from_numpy(np.concatenate(polys).astype(np.float32))
-    npts = [0 if p is None else len(p) for _, _, p in rows]
+    boxes = torch.from_numpy(np.array(boxes, np.float32).reshape(-1, 4))
+    pts = torch.from_numpy(np.concatenate(pts).astype(np.float32))
+    npts = [0 if p is None else len(p) for p in polys]
     per_file = dict(status=list(status), shapes=list(shapes), nrows=[len(r) for r in file_rows])
-    per_row = dict(cls=cls, boxes=boxes, npts=npts, pts=pts)
+    per_row = dict(cls=torch.tensor(cls, dtype=torch.int64), boxes=boxes, npts=npts, pts=pts)
     return per_file | per_row | dict(msgs=msgs, dropped=sum(dropped), fixed=sum(fixed))
 
 
 def _load_or_build(files: list, nc, prefix: str, verbose: bool) -> dict:
-    """Verification results from `labels/<split>.cache` if its key (version, nc, each file's path,
-    size, mtime, mode) matches, else verified now and saved."""
+    """The labels/<split>.cache if its key (version, nc, file stats) matches; else verify, save."""
     lb_files = [img2label_path(f) for f in files]
     h = hashlib.sha256(f"{CACHE_VERSION}|{nc}".encode())
     for f in files + lb_files:
