@@ -61,9 +61,8 @@ def _paste(out: torch.Tensor, src: torch.Tensor, ax, bx, ay, by, rect: tuple) ->
 
 
 def render(pieces: list[Piece], M: np.ndarray, out_wh: tuple, load) -> tuple:
-    """Draw the pieces through canvas->output matrix M on a grey uint8 (3,H,W) image of size out_wh
-    -> (image, per piece the (dx, dy) canvas-pixel shift of its pixels). M a scale and translation:
-    each source, load(index, scale) (see load_image), is resampled in place; else PIL warps."""
+    """Pieces through canvas->output matrix M on grey uint8 (3,H,W) of size out_wh -> (image, per
+    piece its pixels' (dx, dy) canvas shift). Scale+shift M: sources load()ed; else PIL warps."""
     if M[0, 1] or M[1, 0] or M[2, 0] or M[2, 1]:
         size = math.ceil(max(p.clip[2] for p in pieces)), math.ceil(max(p.clip[3] for p in pieces))
         canvas, shifts = render(pieces, np.eye(3), size, load)

@@ -308,8 +308,7 @@ class EpochSampler(DistributedSampler):
 def build_dataloader(
     dataset, batch_size, workers=8, shuffle=True, rank=0, world_size=1, seed=0, local_world_size=1
 ) -> tuple:
-    """-> (DataLoader, sampler): shuffle: a seeded EpochSampler (call `sampler.set_epoch(e)`), else
-    the `shard_batches` list. `workers` is capped at this process's share of the CPUs."""
+    """-> (DataLoader, sampler): shuffle: a seeded EpochSampler (call set_epoch), else batches."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     workers = min(workers, max(cpus // local_world_size, 1))
     kw = dict(collate_fn=collate, num_workers=workers, persistent_workers=workers > 0)
