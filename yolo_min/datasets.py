@@ -28,11 +28,11 @@ IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # RG
 def load_data_config(path: str) -> dict:
     """Dataset yaml (folder: load_folder_data) -> {yaml_file, path, names: [str], nc, train: [str],
     val: [str]}. 'shapes', 'shapes-cls': embedded, made on first use (on local rank 0 first)."""
-    p = Path(path)
-    if p.is_dir() or str(path) == "shapes-cls":
-        return load_folder_data(path)
-    if str(path) in ("shapes", "shapes.yaml") and not p.exists():
-        p = shapes.ensure() / "shapes.yaml"
+    p, kind = Path(path), str(path).removesuffix(".yaml")
+    if str(path) in ("shapes", "shapes.yaml", "shapes-cls") and not p.exists():  # embedded
+        p = shapes.ensure(kind) / "shapes.yaml" if kind == "shapes" else shapes.ensure(kind)
+    if p.is_dir():
+        return load_folder_data(p)
     if not p.is_file():
         raise DataError(f"data yaml {path} not found")
     try:
@@ -66,10 +66,8 @@ def check_task(data: dict, task: str) -> None:
         raise DataError(f"{data['path']}: a {task} model needs {need}")
 
 
-def load_folder_data(path: str) -> dict:
+def load_folder_data(root: Path) -> dict:
     """Classification data root/{train,val or test}/<class>/* -> {path, names, nc, train, val}."""
-    root = Path(path)
-    root = shapes.ensure("shapes-cls") if str(path) == "shapes-cls" and not root.exists() else root
     train, val = root / "train", root / ("val" if (root / "val").is_dir() else "test")
     if not (train.is_dir() and val.is_dir()):
         raise DataError(f"{root}: a classification dataset has train/ and val/ (or test/) folders")
