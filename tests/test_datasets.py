@@ -614,7 +614,6 @@ def test_draw_batch(tmp_path):
         b["images"],
         b["targets"],
         b["masks"],
-        b["paths"],
         fname=tmp_path / "p" / "train_batch0.jpg",
         names=["sq"],
     )

@@ -40,9 +40,8 @@ def affine_matrix(in_wh: tuple, out_wh: tuple, hyp: dict) -> tuple[np.ndarray, f
 
 
 def _paste(out: torch.Tensor, src: torch.Tensor, ax, bx, ay, by, rect: tuple) -> tuple:
-    """Resample src (h,w,3) by x' = ax * x + bx, y' = ay * y + by into out[:, Y0:Y1, X0:X1] -> (dx,
-    dy): the drawn pixels are the exact mapping shifted by (dx, dy), |d| <= 0.5 px. Only the needed
-    crop is resized (torch's uint8 antialiased bilinear, exact scale)."""
+    """Resample src (h,w,3) by x' = ax*x + bx, y' = ay*y + by into out[:, Y0:Y1, X0:X1] (only the
+    needed crop) -> (dx, dy): the drawn pixels are the exact mapping shifted by |d| <= 0.5 px."""
     X0, Y0, X1, Y1 = rect
     hs, ws = src.shape[:2]
     c0, c1 = max(math.floor((X0 - bx) / ax) - 1, 0), min(math.ceil((X1 - bx) / ax) + 1, ws)
@@ -62,10 +61,8 @@ def _paste(out: torch.Tensor, src: torch.Tensor, ax, bx, ay, by, rect: tuple) ->
 
 
 def render(pieces: list[Piece], M: np.ndarray, out_wh: tuple, load) -> tuple:
-    """Draw the pieces through canvas->output matrix M onto a 114-grey uint8 (3,H,W) image of size
-    out_wh -> (image, per piece the (dx, dy) canvas-pixel shift of its drawn pixels). A scale and
-    translation M: each source, load(index, scale) -> (uint8 (h,w,3), (sx, sy) vs original) at scale
-    >= its letterbox r, is resampled into its output rectangle; else PIL warps the canvas."""
+    """Pieces through canvas->output matrix M on grey uint8 (3,H,W) of size out_wh -> (image, per
+    piece its pixels' (dx, dy) canvas shift). Scale+shift M: sources load()ed; else PIL warps."""
     if M[0, 1] or M[1, 0] or M[2, 0] or M[2, 1]:
         size = math.ceil(max(p.clip[2] for p in pieces)), math.ceil(max(p.clip[3] for p in pieces))
         canvas, shifts = render(pieces, np.eye(3), size, load)
@@ -101,22 +98,14 @@ def resample(polys: list, n: int = NPTS) -> np.ndarray:
     return allp[i + start[:, None]] * (1 - f) + allp[nxt] * f
 
 
-def box_candidates(b1: np.ndarray, b2: np.ndarray, area_thr: float) -> np.ndarray:
-    """Keep mask (n,) of boxes b1 (before augment, scaled) -> b2 (after), (n,4) xyxy pixels: wider
-    and taller than 2 px, area ratio > area_thr, aspect ratio < 100 (yolov5's rule)."""
-    w1, h1 = b1[:, 2] - b1[:, 0], b1[:, 3] - b1[:, 1]
-    w2, h2 = b2[:, 2] - b2[:, 0], b2[:, 3] - b2[:, 1]
-    ar = np.maximum(w2 / (h2 + 1e-16), h2 / (w2 + 1e-16))
-    return (w2 > 2.0) & (h2 > 2.0) & (w2 * h2 / (w1 * h1 + 1e-16) > area_thr) & (ar < 100.0)
-
-
 def place_labels(pieces: list, labels: list, M: np.ndarray, sc: float, out_wh: tuple, shifts: list):
-    """Labels (dataset label dicts) of the pieces through the geometry -> cls (n,), boxes (n,4) xyxy
-    output px, polygons. A polygon is resampled to NPTS points, clamped to the piece's visible area
-    and transformed, its box the extent of the points inside; a box (polygon None): its corners,
-    clipped. sc: the affine's scale; shifts: render's, so that labels follow the drawn pixels."""
+    """Label dicts of the pieces through the geometry -> cls (n,), boxes (n,4) xyxy output px,
+    polygons (None: a box). A polygon: NPTS points clamped to its piece, its box the extent of those
+    in the output; a box: its clipped corners. sc: the affine's scale; shifts: render's."""
     W, H = out_wh
-    out, polys = [], []  # per piece: cls, box before (canvas), box after (output), has-polygon
+    # per piece: cls, box before (canvas), box after (output), has-polygon; first: no rows at all
+    empty = (np.zeros(0, np.int64), np.zeros((0, 4)), np.zeros((0, 4)), np.zeros(0, bool))
+    out, polys = [empty], []
     for p, lb, (dx, dy) in zip(pieces, labels, shifts):
         if not len(lb["cls"]):
             continue
@@ -128,29 +117,28 @@ def place_labels(pieces: list, labels: list, M: np.ndarray, sc: float, out_wh: t
         d = M[2, 0] * x + M[2, 1] * y + M[2, 2]  # exactly 1 for an affine M
         qx = (M[0, 0] * x + M[0, 1] * y + M[0, 2]) / d
         qy = (M[1, 0] * x + M[1, 1] * y + M[1, 2]) / d
-        if seg:
-            ins = (qx >= 0) & (qx <= W) & (qy >= 0) & (qy <= H)
-            lo = [np.where(ins, q, np.inf).min(1) for q in (qx, qy)]
-            hi = [np.where(ins, q, -np.inf).max(1) for q in (qx, qy)]
-            after = np.stack(lo + hi, 1)
-            after[~ins.any(1)] = 0
-            polys += list(np.stack([qx, qy], 2))
-        else:
-            after = np.stack([qx.min(1), qy.min(1), qx.max(1), qy.max(1)], 1).clip(0, (W, H, W, H))
-            polys += [None] * len(qx)
+        # a polygon's box: the extent of its points inside the output; a box's: its corners, clipped
+        ins = (qx >= 0) & (qx <= W) & (qy >= 0) & (qy <= H) if seg else np.ones_like(qx, bool)
+        lo = [np.where(ins, q, np.inf).min(1) for q in (qx, qy)]
+        hi = [np.where(ins, q, -np.inf).max(1) for q in (qx, qy)]
+        after = np.stack(lo + hi, 1).clip(0, (W, H, W, H))
+        after[~ins.any(1)] = 0
+        polys += list(np.stack([qx, qy], 2)) if seg else [None] * len(qx)
         out.append((lb["cls"], before, after, np.full(len(qx), seg)))
-    if not out:
-        return np.zeros(0, np.int64), np.zeros((0, 4), np.float32), []
     cls, before, boxes, seg = map(np.concatenate, zip(*out))
     boxes, before = boxes.astype(np.float32), before * sc
-    keep = box_candidates(before, boxes, np.where(seg, 0.01, 0.1))  # area ratio
+    # yolov5's rule: wider and taller than 2 px, kept area > 1% (polygons) / 10%, aspect < 100
+    w1, h1 = before[:, 2] - before[:, 0], before[:, 3] - before[:, 1]
+    w2, h2 = boxes[:, 2] - boxes[:, 0], boxes[:, 3] - boxes[:, 1]
+    ar = np.maximum(w2 / (h2 + 1e-16), h2 / (w2 + 1e-16))
+    area_ok = w2 * h2 / (w1 * h1 + 1e-16) > np.where(seg, 0.01, 0.1)
+    keep = (w2 > 2.0) & (h2 > 2.0) & area_ok & (ar < 100.0)
     return cls[keep].astype(np.int64), boxes[keep], [q for q, k in zip(polys, keep) if k]
 
 
 def hsv_jitter(img: torch.Tensor, hyp: dict) -> torch.Tensor:
-    """HSV jitter of a uint8 (3,H,W) RGB image by gains U(-1,1) * hsv_h/s/v + 1 (yolov5), in RGB:
-    saturation a blend with V = max(R,G,B), value a product (both exact unless a channel clips), hue
-    a rotation about the grey axis by yolov5's mean hue shift (at most 2.7 degrees off)."""
+    """yolov5's HSV gains U(-1,1) * hsv_h/s/v + 1 on uint8 (3,H,W) RGB, in RGB: saturation a blend
+    with V = max(R,G,B), value a product, hue a rotation about the grey axis (<= 2.7 deg off)."""
     gh, gs, gv = (random.uniform(-1, 1) * hyp[k] + 1 for k in ("hsv_h", "hsv_s", "hsv_v"))
     r, g, b = (Image.fromarray(c) for c in img.numpy())
     v = ImageChops.lighter(ImageChops.lighter(r, g), b)
@@ -169,10 +157,9 @@ def polygon_area(p: np.ndarray) -> float:
 
 
 def overlap_mask(polys: list, boxes: np.ndarray, out_hw: tuple, ratio: int = 4) -> torch.Tensor:
-    """Overlap index map (H//ratio, W//ratio) uint8 (int16 from 256 instances), value k: instance k
-    (1-based), polys[k-1] (m,2) output pixels or None for its box (boxes (n,4) xyxy). Larger ones
-    are painted first, smaller on top (yolov5). A pixel is set when its centre is inside (to 1 input
-    px): PIL truncates vertices and fills boundaries inclusively, so we draw at 2x and sample."""
+    """Overlap index map (H//ratio, W//ratio) uint8 (int16 from 256 instances), value k: polys[k-1]
+    (m,2) output px, or boxes[k-1] (xyxy) if None; smaller painted on top (yolov5). A pixel is set
+    when its centre is inside: PIL truncates vertices and fills edges: drawn at 2x, sampled."""
     h, w = out_hw[0] // ratio, out_hw[1] // ratio
     m = Image.new("L" if len(boxes) < 256 else "I", (2 * w, 2 * h), 0)
     draw = ImageDraw.Draw(m)

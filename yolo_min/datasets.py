@@ -1,5 +1,4 @@
-"""The data config, YOLODataset (mosaic or letterbox), ClassifyDataset, collate, samplers, loaders.
-labels.py finds and verifies files, augment.py does geometry. Ranks are the caller's arguments."""
+"""The data config, YOLODataset (mosaic or letterbox), ClassifyDataset, samplers and loaders."""
 
 from __future__ import annotations
 
@@ -29,11 +28,11 @@ IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # RG
 def load_data_config(path: str) -> dict:
     """Dataset yaml (folder: load_folder_data) -> {yaml_file, path, names: [str], nc, train: [str],
     val: [str]}. 'shapes', 'shapes-cls': embedded, made on first use (on local rank 0 first)."""
-    p = Path(path)
-    if p.is_dir() or str(path) == "shapes-cls":
-        return load_folder_data(path)
-    if str(path) in ("shapes", "shapes.yaml") and not p.exists():
-        p = shapes.ensure() / "shapes.yaml"
+    p, kind = Path(path), str(path).removesuffix(".yaml")
+    if str(path) in ("shapes", "shapes.yaml", "shapes-cls") and not p.exists():  # embedded
+        p = shapes.ensure(kind) / "shapes.yaml" if kind == "shapes" else shapes.ensure(kind)
+    if p.is_dir():
+        return load_folder_data(p)
     if not p.is_file():
         raise DataError(f"data yaml {path} not found")
     try:
@@ -67,11 +66,8 @@ def check_task(data: dict, task: str) -> None:
         raise DataError(f"{data['path']}: a {task} model needs {need}")
 
 
-def load_folder_data(path: str) -> dict:
-    """A classification dataset, root/train/<class>/*.jpg and root/val/<class>/ (or test/) -> {path,
-    names: train's class folders, sorted, nc, train: [folder], val: [folder]}."""
-    root = Path(path)
-    root = shapes.ensure("shapes-cls") if str(path) == "shapes-cls" and not root.exists() else root
+def load_folder_data(root: Path) -> dict:
+    """Classification data root/{train,val or test}/<class>/* -> {path, names, nc, train, val}."""
     train, val = root / "train", root / ("val" if (root / "val").is_dir() else "test")
     if not (train.is_dir() and val.is_dir()):
         raise DataError(f"{root}: a classification dataset has train/ and val/ (or test/) folders")
@@ -93,13 +89,11 @@ def available_memory() -> int:
 
 
 class YOLODataset(Dataset):
-    """YOLO-format images and labels as training (mosaic) or validation (letterbox) samples: `image`
-    uint8 (3,H,W) RGB; `targets` float32 (n,5) [cls, cx, cy, w, h] normalised; `masks` (H/4,W/4)
-    overlap index map (k: the k-th target) or None; `path`; `shape` (orig_hw, ((rh, rw), (padw,
-    padh))): input = original * r + pad; `index`. `labels[i]`: see load_labels. hyp: the recipe, for
-    augment. rect: files sorted by aspect ratio, batch b (batch_size consecutive indices) shaped
-    `batch_shapes[b]`. cache "ram": images kept in RAM at long side imgsz; "auto": the same when the
-    local_world_size processes of this node need < 10% of the free memory."""
+    """YOLO images and labels as training (mosaic) or validation (letterbox) samples: `image` uint8
+    (3,H,W) RGB; `targets` float32 (n,5) [cls, cx, cy, w, h] normalised; `masks` (H/4,W/4) overlap
+    index map (k: the k-th target) or None; `path`; `shape` (orig_hw, ((rh, rw), (padw, padh))):
+    input = original * r + pad; `index`. rect: sorted by h/w, batch b shaped batch_shapes[b].
+    cache "ram": images in RAM at long side imgsz; "auto": if this node's processes need < 10%."""
 
     def __init__(
         self,
@@ -143,8 +137,9 @@ class YOLODataset(Dataset):
             gb = f"needs {need / 1e9:.1f} GB, {free / 1e9:.1f} GB is available"
             raise DataError(f"{prefix}caching the images in RAM {gb}: use --cache off")
         if cache == "ram":  # forked workers share these pages
+            args = range(len(self)), *self._dims.T, self._dims[:, 0] / hw[:, 1]  # i, w, h, scale
             with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:  # PIL decodes without GIL
-                self._ram = list(pool.map(self._cached, range(len(self))))
+                self._ram = list(pool.map(self._decode, *args))
             if verbose:
                 print(f"{prefix}{len(self)} images cached in RAM ({size / 1e6:.0f} MB)", flush=True)
 
@@ -157,31 +152,26 @@ class YOLODataset(Dataset):
         return len(self.im_files)
 
     def load_image(self, i: int, scale: float = 1.0) -> tuple[torch.Tensor, tuple]:
-        """Image i as uint8 (h,w,3) RGB and its (sx, sy) size relative to the original: the RAM
-        copy, or decoded at >= `scale` x the original size where the format allows (JPEG DCT)."""
-        im = self._ram[i] if self._ram else np.array(self._decode(i, scale))
+        """Image i, uint8 (h,w,3) RGB at >= scale x its size (RAM or JPEG draft), and (sx, sy)."""
+        im = self._ram[i] if self._ram else self._decode(i, scale=scale)
         (h0, w0), (h, w) = self.labels[i]["shape"], im.shape[:2]
         return torch.from_numpy(im), (w / w0, h / h0)
 
-    def _cached(self, i: int) -> np.ndarray:
-        w, h = map(int, self._dims[i])
-        im = self._decode(i, w / self.labels[i]["shape"][1])  # drafted at >= the cached size
-        return np.array(im.resize((w, h), Image.Resampling.BILINEAR))
-
-    def _decode(self, i: int, scale: float) -> Image.Image:
+    def _decode(self, i: int, w: int = 0, h: int = 0, scale: float = 1.0) -> np.ndarray:
+        """Image i drafted at >= scale x its size (JPEG), resized to (w, h) if given."""
         f = self.im_files[i]
         try:
             im = Image.open(f)
             if scale < 1:
                 im.draft("RGB", (math.ceil(im.width * scale), math.ceil(im.height * scale)))
             im = ImageOps.exif_transpose(im) if im.getexif().get(0x0112, 1) != 1 else im
-            return im if im.mode == "RGB" else im.convert("RGB")
+            im = im if im.mode == "RGB" else im.convert("RGB")
+            return np.array(im.resize((int(w), int(h)), Image.Resampling.BILINEAR) if w else im)
         except Exception as e:
             raise DataError(f"{f}: unreadable now ({e}); it changed after verification") from e
 
     def _pieces(self, i: int, mosaic: bool) -> tuple[list, tuple]:
-        """Where the source images go on the canvas -> (pieces, canvas (w, h)): a mosaic of 4 on
-        2s x 2s around a random centre, or image i letterboxed into its input shape."""
+        """-> (pieces, canvas (w, h)): a mosaic of 4 around a random centre, or i letterboxed."""
         s = self.imgsz
         if not mosaic:
             h0, w0 = self.labels[i]["shape"]
@@ -201,8 +191,7 @@ class YOLODataset(Dataset):
         return pieces, (2 * s, 2 * s)
 
     def __getitem__(self, key: int | tuple) -> dict:
-        """key: an index, or (seed, epoch, index) from EpochSampler, which seeds this sample's
-        augmentation: the same images at any worker count or rank."""
+        """key: an index, or (seed, epoch, index) from EpochSampler: seeds the augmentation."""
         if isinstance(key, tuple):
             random.seed("%d:%d:%d" % key)
         i = key[2] if isinstance(key, tuple) else key
@@ -238,9 +227,8 @@ class YOLODataset(Dataset):
         [(k,2) float32] (rectangles of box rows for segment data; [] for detect data), orig_hw."""
         lb = self.labels[i]
         wh = np.array(lb["shape"][::-1], np.float32)
-        segs = lb["segments"]
-        if not segs and self.task == "segment":
-            segs = list(box_corners(xywh2xyxy(lb["bboxes"])))
+        rects = list(box_corners(xywh2xyxy(lb["bboxes"]))) if self.task == "segment" else []
+        segs = lb["segments"] or rects
         boxes = xywh2xyxy(torch.from_numpy(lb["bboxes"] * np.tile(wh, 2)))
         cls = torch.as_tensor(lb["cls"], dtype=torch.int64)
         return dict(cls=cls, boxes=boxes, polygons=[s * wh for s in segs], orig_hw=lb["shape"])
@@ -252,14 +240,12 @@ def load_rgb(path: str) -> Image.Image:
 
 
 def center_square(im: Image.Image) -> Image.Image:
-    """The centred square of side min(h, w)."""
     return v2.functional.center_crop(im, min(im.size))
 
 
 class ClassifyDataset(ImageFolder):
-    """An ImageFolder split (root/<class>/<image>) as samples: `image` uint8 (3, imgsz, imgsz) RGB
-    (the net takes it / 255, normalised by IMAGENET_MEAN/STD), `targets` int64 (1, 1) [cls], `path`,
-    `index`. augment: yolov5's recipe, else the centre square resized. Corrupt files: skipped."""
+    """ImageFolder split (root/<class>/*) as samples: `image` uint8 (3,imgsz,imgsz) RGB, `targets`
+    int64 (1,1) [cls], `path`, `index`. augment: yolov5's recipe, else the centre square resized."""
 
     task, rect = "classify", False
 
@@ -282,8 +268,7 @@ class ClassifyDataset(ImageFolder):
             raise DataError(f"{prefix}no usable images in {root}: all are corrupt")
 
     def __getitem__(self, key: int | tuple) -> dict:
-        """key: an index, or (seed, epoch, index) from EpochSampler, which seeds this sample's
-        augmentation (torch's random numbers, in a fork of them): the same at any worker count."""
+        """key: an index, or (seed, epoch, index): seeds torch's random numbers, in a fork."""
         i = key[2] if isinstance(key, tuple) else key
         with torch.random.fork_rng(devices=[], enabled=isinstance(key, tuple)):
             if isinstance(key, tuple):
@@ -300,22 +285,19 @@ def collate(samples: list[dict]) -> dict:
     targets = torch.cat([F.pad(s["targets"], (1, 0), value=k) for k, s in enumerate(samples)])
     masks = [s["masks"] for s in samples]
     masks = None if masks[0] is None else torch.stack(masks).float()
-    batch = dict(images=images, targets=targets, masks=masks, paths=[s["path"] for s in samples])
-    batch["shapes"] = [s["shape"] for s in samples]
-    batch["indices"] = torch.tensor([s["index"] for s in samples], dtype=torch.int64)
-    return batch
+    indices = torch.tensor([s["index"] for s in samples], dtype=torch.int64)
+    lists = {f"{k}s": [s[k] for s in samples] for k in ("path", "shape")}  # paths, shapes
+    return dict(images=images, targets=targets, masks=masks, indices=indices, **lists)
 
 
 def shard_batches(n: int, batch_size: int, rank: int = 0, world_size: int = 1) -> list[list[int]]:
-    """Validation batches of this rank: whole consecutive batches dealt round-robin, so every index
-    is on exactly one rank, nothing is padded (a rank may get none) and rect batch shapes hold."""
+    """This rank's validation batches: consecutive batches dealt round-robin, none padded."""
     starts = range(rank * batch_size, n, world_size * batch_size)
     return [list(range(s, min(s + batch_size, n))) for s in starts]
 
 
 class EpochSampler(DistributedSampler):
-    """DistributedSampler yielding (seed, epoch, index) keys, so each sample's augmentation depends
-    only on them: the same batches for any number of workers, and after a resume."""
+    """DistributedSampler of (seed, epoch, index) keys: augmentation independent of workers."""
 
     def __iter__(self):
         return ((self.seed, self.epoch, i) for i in super().__iter__())
@@ -324,9 +306,7 @@ class EpochSampler(DistributedSampler):
 def build_dataloader(
     dataset, batch_size, workers=8, shuffle=True, rank=0, world_size=1, seed=0, local_world_size=1
 ) -> tuple:
-    """-> (DataLoader, sampler): for training (shuffle) a seeded EpochSampler, also at world size 1
-    (call `sampler.set_epoch(e)`), else the `shard_batches` list. `workers` is capped at this
-    process's share of the CPUs (local_world_size processes share them)."""
+    """-> (DataLoader, sampler): shuffle: a seeded EpochSampler (call set_epoch), else batches."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     workers = min(workers, max(cpus // local_world_size, 1))
     kw = dict(collate_fn=collate, num_workers=workers, persistent_workers=workers > 0)

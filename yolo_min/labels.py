@@ -43,8 +43,7 @@ def img2label_path(f: str) -> str:
 
 
 def list_images(sources, prefix: str = "", verbose: bool = True) -> list[str]:
-    """Image files of sources: folders (recursive), .txt lists (lines relative to the list's folder)
-    and files. verbose: warn about files without an image extension (skipped)."""
+    """Image files in sources: folders (recursive), .txt lists (relative to their folder), files."""
     files, skipped = [], []
     sources = [sources] if isinstance(sources, (str, Path)) else sources
     for src in map(Path, sources):
@@ -161,38 +160,31 @@ def verify(im_file: str, lb_file: str, nc: int | None = None) -> tuple:
 
 
 def _verify_all(files: list, lb_files: list, nc) -> dict:
-    """Verify every pair (threads) -> plain lists per file, and per row flat tensors (one file
-    holds the whole dataset, readable by torch.load(weights_only=True))."""
+    """Verify every pair -> lists per file, flat tensors per row (weights_only-loadable)."""
     with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as ex:
         res = list(ex.map(lambda a: verify(*a, nc), zip(files, lb_files)))
     status, shapes, file_rows, file_msgs, dropped, fixed = zip(*res)
-    rows = [row for r in file_rows for row in r]
-    polys = [p for _, _, p in rows if p is not None] + [np.zeros((0, 2))]
+    cls, boxes, polys = list(zip(*[row for r in file_rows for row in r])) or [(), (), ()]
+    pts = [p for p in polys if p is not None] + [np.zeros((0, 2))]
     no_dir = sorted({os.path.dirname(lb) for s, lb in zip(status, lb_files) if s == MISSING})
     bg = "does not exist: its images are used as background"
     msgs = [m for ms in file_msgs for m in ms]
     msgs += [f"labels folder {d} {bg}" for d in no_dir if not os.path.isdir(d)]
-    cls = torch.tensor([c for c, _, _ in rows], dtype=torch.int64)
-    boxes = torch.from_numpy(np.array([b for _, b, _ in rows], np.float32).reshape(-1, 4))
-    pts = torch.from_numpy(np.concatenate(polys).astype(np.float32))
-    npts = [0 if p is None else len(p) for _, _, p in rows]
+    boxes = torch.from_numpy(np.array(boxes, np.float32).reshape(-1, 4))
+    pts = torch.from_numpy(np.concatenate(pts).astype(np.float32))
+    npts = [0 if p is None else len(p) for p in polys]
     per_file = dict(status=list(status), shapes=list(shapes), nrows=[len(r) for r in file_rows])
-    per_row = dict(cls=cls, boxes=boxes, npts=npts, pts=pts)
+    per_row = dict(cls=torch.tensor(cls, dtype=torch.int64), boxes=boxes, npts=npts, pts=pts)
     return per_file | per_row | dict(msgs=msgs, dropped=sum(dropped), fixed=sum(fixed))
 
 
 def _load_or_build(files: list, nc, prefix: str, verbose: bool) -> dict:
-    """Verification results from `labels/<split>.cache` when its key (this code's version, nc, each
-    image and label file's path, size, mtime and mode) matches, else verified now and saved."""
+    """The labels/<split>.cache if its key (version, nc, file stats) matches; else verify, save."""
     lb_files = [img2label_path(f) for f in files]
     h = hashlib.sha256(f"{CACHE_VERSION}|{nc}".encode())
     for f in files + lb_files:
-        try:
-            s = os.stat(f)
-            s = (s.st_size, s.st_mtime_ns, s.st_mode)
-        except (OSError, ValueError):  # absent (what os.path.exists would say False to)
-            s = None
-        h.update(f"{f}|{s}\n".encode())
+        s = os.stat(f) if os.path.exists(f) else None
+        h.update(f"{f}|{s and (s.st_size, s.st_mtime_ns, s.st_mode)}\n".encode())
     key, path = h.hexdigest(), Path(os.path.dirname(lb_files[0]) + ".cache")
     try:
         data = torch.load(path, weights_only=True)  # tensors, lists, numbers, strings: no code
@@ -203,9 +195,9 @@ def _load_or_build(files: list, nc, prefix: str, verbose: bool) -> dict:
     data = dict(_verify_all(files, lb_files, nc), key=key)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # written whole, then renamed
     try:
-        d = path.parent  # root ignores permission bits; a folder marked read-only is respected
-        if not (os.access(d, os.W_OK) and d.stat().st_mode & 0o222):
-            raise PermissionError(f"{d} is not writable")
+        # root ignores permission bits; a folder marked read-only is respected
+        if not (os.access(path.parent, os.W_OK) and path.parent.stat().st_mode & 0o222):
+            raise PermissionError(f"{path.parent} is not writable")
         torch.save(data, tmp)
         os.replace(tmp, path)
     except (OSError, RuntimeError) as e:  # RuntimeError: torch's zip writer, e.g. disk full
@@ -216,15 +208,9 @@ def _load_or_build(files: list, nc, prefix: str, verbose: bool) -> dict:
 
 
 def load_labels(files: list, nc: int | None = None, prefix: str = "", verbose: bool = True):
-    """Verified (cached) labels of image files -> (usable files, label dicts, counts). A label dict:
-    cls (n,) int64, bboxes (n,4) float32 normalised xywh, segments [(k,2) float32 normalised] or [],
-    shape (h, w). verbose: print the warnings and a summary line."""
+    """Verified (cached) labels -> (usable files, label dicts, counts); label dict: cls (n,) int64,
+    bboxes (n,4) float32 normalised xywh, segments [(k,2) float32 normalised], shape (h, w)."""
     d = _load_or_build(files, nc, prefix, verbose)
-    msgs, stop = d["msgs"], MAX_WARNINGS
-    if verbose:
-        more = [f"... and {len(msgs) - stop} more"] if len(msgs) > stop else []
-        for m in msgs[:stop] + more:
-            print(f"WARNING {prefix}{m}", flush=True)
     starts = np.cumsum([0, *d["nrows"]])  # file i's rows: starts[i] to starts[i + 1]
     polys = np.split(d["pts"].numpy(), np.cumsum(d["npts"])[:-1])  # per row; (0, 2) for a box
     cls, boxes = d["cls"].numpy(), d["boxes"].numpy()
@@ -234,13 +220,15 @@ def load_labels(files: list, nc: int | None = None, prefix: str = "", verbose: b
         segs = [p for p in polys[a:b] if len(p)]
         keep.append(files[i])
         labels.append(dict(cls=cls[a:b], bboxes=boxes[a:b], segments=segs, shape=d["shapes"][i]))
-    counts = np.bincount(d["status"], minlength=4).tolist()
+    msgs, counts = d["msgs"], np.bincount(d["status"], minlength=4).tolist()
     stats = dict(images=len(files), **dict(zip(("found", "missing", "empty", "corrupt"), counts)))
     # instances: every row, as corrupt files have none
     stats.update(instances=len(cls), dropped=d["dropped"], fixed=d["fixed"], warnings=len(msgs))
     if verbose:
+        more = [f"... and {len(msgs) - MAX_WARNINGS} more"] if len(msgs) > MAX_WARNINGS else []
+        for m in msgs[:MAX_WARNINGS] + more:
+            print(f"WARNING {prefix}{m}", flush=True)
         print(prefix + SUMMARY.format(**stats), flush=True)
     if not keep:
-        why = f"all {len(files)} are corrupt (see the warnings above)"
-        raise DataError(f"{prefix}no usable images: {why}")
+        raise DataError(f"{prefix}no usable images: all {len(files)} are corrupt")  # warned above
     return keep, labels, stats

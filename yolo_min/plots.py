@@ -1,15 +1,13 @@
-"""Pictures: JPEG grids of batches with boxes, class names and masks (torchvision drawing), and
-results.png from a run's results.csv when matplotlib is installed (not a dependency)."""
+"""Pictures: JPEG grids of batches with boxes, class names and masks (torchvision drawing)."""
 
 from __future__ import annotations
 
-import csv
 import math
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from PIL import Image, ImageDraw
+from PIL import Image
 from torchvision.utils import draw_bounding_boxes, draw_segmentation_masks, make_grid
 
 from .ops import xywh2xyxy
@@ -21,7 +19,7 @@ PALETTE = (
 MAX_IMAGES, MAX_SIZE, PAD = 16, 1920, 4  # images in a grid, its longest side, the gap (pixels)
 
 
-def draw_batch(images, targets=None, masks=None, paths=None, *, fname, names=None, preds=None):
+def draw_batch(images, targets=None, masks=None, *, fname, names=None, preds=None):
     """Write a grid of up to MAX_IMAGES images, uint8 (bs,3,H,W), to fname -> its path. Labels:
     targets (N,6) [image, cls, cx, cy, w, h] normalised, masks (bs,h,w) overlap index maps; or
     preds per image (n,6+) [x1, y1, x2, y2, conf, cls] input px, masks per image (n,h,w) bool."""
@@ -42,12 +40,8 @@ def draw_batch(images, targets=None, masks=None, paths=None, *, fname, names=Non
             inst = F.interpolate(inst[None].float(), size=(H, W), mode="nearest")[0].bool()
         width = max(1, round(W / 320))
         cells.append(draw_detections(images[i].cpu(), boxes, cls, conf, names, inst, width))
-    nrow = math.ceil(math.sqrt(n))
-    grid = Image.fromarray(make_grid(cells, nrow, PAD, pad_value=255).permute(1, 2, 0).numpy())
-    draw = ImageDraw.Draw(grid)
-    for k, path in enumerate((paths or [])[:n]):
-        x, y = PAD + (k % nrow) * (W + PAD), PAD + (k // nrow) * (H + PAD)
-        draw.text((x + 3, y + 3), Path(path).name[:40], fill=(255, 255, 255))
+    grid = make_grid(cells, math.ceil(math.sqrt(n)), PAD, pad_value=255)
+    grid = Image.fromarray(grid.permute(1, 2, 0).numpy())
     grid.thumbnail((MAX_SIZE, MAX_SIZE), Image.Resampling.BILINEAR)  # only ever shrinks
     Path(fname).parent.mkdir(parents=True, exist_ok=True)
     grid.save(fname, quality=90)
@@ -55,9 +49,8 @@ def draw_batch(images, targets=None, masks=None, paths=None, *, fname, names=Non
 
 
 def draw_detections(image, boxes, cls, conf=None, names=None, masks=None, width=1, labels=True):
-    """uint8 (3, H, W) image with bool masks (n, H, W) blended in (alpha 0.5) and boxes (n, 4)
-    xyxy pixels drawn in the colours of classes cls, labelled "name conf" ("name" if conf is None,
-    nothing unless labels); a new tensor, or the image itself when cls is empty."""
+    """uint8 (3,H,W) image with bool masks (n,H,W) blended in and boxes (n,4) xyxy px drawn in the
+    colours of classes cls, labelled "name conf" ("name" if conf is None, nothing unless labels)."""
     if not cls:
         return image
     colors = [PALETTE[c % len(PALETTE)] for c in cls]
@@ -66,20 +59,3 @@ def draw_detections(image, boxes, cls, conf=None, names=None, masks=None, width=
     if masks is not None:
         image = draw_segmentation_masks(image, masks, alpha=0.5, colors=colors)
     return draw_bounding_boxes(image, boxes, text if labels else None, colors=colors, width=width)
-
-
-def plot_results(path: Path) -> None:
-    """results.png beside results.csv: one panel per column against the epoch (needs matplotlib)."""
-    try:
-        from matplotlib.figure import Figure  # no pyplot: no GUI backend, nothing to close
-    except ImportError:
-        return print("results.png skipped: matplotlib is not installed")
-    with open(path) as f:
-        rows = list(csv.DictReader(f))
-    cols, epochs = list(rows[0])[1:], [int(r["epoch"]) for r in rows]
-    fig = Figure(figsize=(15, 3 * math.ceil(len(cols) / 5)))
-    for ax, k in zip(fig.subplots(math.ceil(len(cols) / 5), 5, squeeze=False).flat, cols):
-        ax.plot(epochs, [float(r[k] or "nan") for r in rows], ".-")
-        ax.set_title(k, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path.with_suffix(".png"), dpi=100)

@@ -1,6 +1,5 @@
-"""Embedded datasets, made on first use. "shapes": 512 train / 64 val 128 px JPEGs of 1-4 circles,
-rectangles and triangles (a band of hues per class) on noise, labelled with the drawn polygons
-(YOLOv5n: mAP50 > 0.9 in 30 CPU epochs). "shapes-cls": single shapes cut from such scenes."""
+"""Embedded datasets, made on first use. "shapes": 128 px JPEGs of 1-4 circles, rectangles and
+triangles (a band of hues per class) on noise, with polygon labels. "shapes-cls": shapes cut out."""
 
 from __future__ import annotations
 
@@ -65,15 +64,13 @@ def generate(root: Path, n_train=N_TRAIN, n_val=N_VAL, size=SIZE, seed=0) -> Pat
             im.save(root / "images" / split / f"{i:06d}.jpg", quality=92)
             rows = [" ".join([str(k), *(f"{v:.6f}" for v in p.ravel() / size)]) for k, p in labels]
             (root / "labels" / split / f"{i:06d}.txt").write_text("".join(f"{r}\n" for r in rows))
-    names = "".join(f"  {i}: {n}\n" for i, n in enumerate(NAMES))
     head = f"# yolo_min synthetic shapes v{VERSION}\npath: .\ntrain: images/train\n"
-    (root / "shapes.yaml").write_text(f"{head}val: images/val\nnc: {len(NAMES)}\nnames:\n{names}")
+    (root / "shapes.yaml").write_text(f"{head}val: images/val\nnames: [{', '.join(NAMES)}]\n")
     return root / "shapes.yaml"
 
 
 def generate_cls(root: Path, n_train=N_CLS_TRAIN, n_val=N_CLS_VAL, seed=1) -> None:
-    """Write {train,val}/<class>/*.jpg under root: the first shape of a new scene, cut out with
-    margins of 20% of its longer side (a square unless at the scene's edge), neighbours and all."""
+    """Write {train,val}/<class>/*.jpg under root: a scene's first shape with 20% margins."""
     rng = np.random.default_rng(seed)
     for split, n in (("train", n_train), ("val", n_val)):
         for name in NAMES:
@@ -86,8 +83,7 @@ def generate_cls(root: Path, n_train=N_CLS_TRAIN, n_val=N_CLS_VAL, seed=1) -> No
 
 
 def ensure(kind: str = "shapes") -> Path:
-    """The folder of "shapes" (shapes.yaml in it) or "shapes-cls" in $YOLO_MIN_CACHE (default
-    ~/.cache/yolo_min), generating the dataset first if absent (built aside, then renamed)."""
+    """The folder of kind in $YOLO_MIN_CACHE (~/.cache/yolo_min), generated first if absent."""
     cache = os.environ.get("YOLO_MIN_CACHE") or Path.home() / ".cache" / "yolo_min"
     root = Path(cache) / f"{kind}-v{VERSION}"
     if not root.is_dir():
