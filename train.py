@@ -233,7 +233,7 @@ def train_one_epoch(model, criterion, optimizer, scaler, ema, loader, epoch, arg
         mean = (mean * i + values) / (i + 1)
         stats.update(dict(zip(items, mean.tolist())), instances=len(batch["targets"]))
         if it == 0 and detect and dist.is_main():
-            labels = (batch["images"], batch["targets"], batch["masks"], batch["paths"])
+            labels = (batch["images"], batch["targets"], batch["masks"])
             draw_batch(*labels, fname=save_dir / "train_batch0.jpg", names=de_parallel(model).names)
         if i == 0:
             t0 = time.time()  # the throughput leaves out the first batch (workers start)

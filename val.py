@@ -136,7 +136,7 @@ def speed_line(speed: dict, at: str) -> str:
 
 def plot_batch(batch: dict, dets: list, protos, prefix: Path, names: list) -> None:
     """A batch's labels and predictions (conf >= 0.25): prefix_labels.jpg, prefix_pred.jpg."""
-    images, kw = batch["images"], dict(paths=batch["paths"], names=names)
+    images, kw = batch["images"], dict(names=names)
     draw_batch(images, batch["targets"], batch["masks"], fname=f"{prefix}_labels.jpg", **kw)
     preds = [d[d[:, 4] >= 0.25] for d in dets]
     if protos is not None:
