@@ -106,7 +106,7 @@ class Detect(nn.Module):
         self.nl, self.na = len(anchors), len(anchors[0]) // 2
         self.register_buffer("anchors", torch.tensor(anchors).float().view(self.nl, -1, 2))
         self.m = nn.ModuleList(nn.Conv2d(c, self.no * self.na, 1) for c in ch)
-        self.stride = torch.ones(self.nl)  # measured by Model
+        # self.stride (nl,): the levels' strides in input pixels, which Model measures
 
     def forward(self, xs: list[torch.Tensor]):
         raw = []
@@ -225,7 +225,7 @@ def _short(x) -> str:
     return reprlib.repr(x)[:40]
 
 
-def parse_model(d: dict, ch: int, where: str) -> tuple[nn.Sequential, list[int]]:
+def parse_model(d: dict, where: str) -> tuple[nn.Sequential, list[int]]:
     """A checked yolov5 cfg dict's layers, and the indices of layers whose outputs are reused."""
     if missing := [k for k in list(CFG_CHECKS)[:5] if not isinstance(d, dict) or k not in d]:
         raise ValueError(f"{where}: missing key '{missing[0]}'")
@@ -234,7 +234,7 @@ def parse_model(d: dict, ch: int, where: str) -> tuple[nn.Sequential, list[int]]
         raise ValueError(f"{where}: {_short(bad[0])}: {_short(d[bad[0]])} {why}")
     depth, width = d["depth_multiple"], d["width_multiple"]
     symbols = {"nc": d["nc"], "anchors": d.get("anchors"), "None": None}
-    layers, reused, chs = [], [], [ch]  # chs[0] is the image's
+    layers, reused, chs = [], [], [3]  # chs[0]: the image's channels
     for i, row in enumerate(d["backbone"] + d["head"]):
         at = f"{where}: layer {i}"
         src, n, name, args = row if isinstance(row, list) and len(row) == 4 else [None] * 4
@@ -276,16 +276,15 @@ def parse_model(d: dict, ch: int, where: str) -> tuple[nn.Sequential, list[int]]
 
 
 class Model(nn.Module):
-    """A YOLOv5 network from a cfg (a shipped config's bare name, a path or a dict). Input: float
-    images (bs, 3, H, W), H and W multiples of 32, in [0, 1] (classify: normalised with ImageNet's
-    mean and std); output: the head's. `task`: "detect", "segment" or "classify", from the head."""
+    """A YOLOv5 network from a cfg (see load_cfg). Input: float images (bs, 3, H, W), H and W
+    multiples of 32, in [0, 1] (classify: ImageNet mean/std normalised); output: the head's."""
 
     def __init__(self, cfg: str | Path | dict = "yolov5n.yaml", nc: int | None = None):
         super().__init__()
         self.yaml, where = load_cfg(cfg)
         if nc is not None:
             self.yaml["nc"] = nc
-        self.model, self.reused = parse_model(self.yaml, 3, where)
+        self.model, self.reused = parse_model(self.yaml, where)
         head = self.head
         if type(head) not in TASKS:
             raise ValueError(f"{where}: the last layer must be Detect, Segment or Classify")
