@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import datetime
 import io
 import os
 import pickle
@@ -11,7 +10,6 @@ import pickletools
 import random
 import shutil
 import signal
-import threading
 import zipfile
 from pathlib import Path
 
@@ -106,8 +104,7 @@ def training_state(model, ema, optimizer, scaler, epoch, best, args, hyp, rngs) 
     state |= {"model": model.state_dict(), "ema": ema.ema.state_dict(), "ema_updates": ema.updates}
     state |= {"optimizer": optimizer.state_dict(), "scaler": scaler.state_dict()}
     state |= {"epoch": epoch, "best_fitness": best[0], "best_epoch": best[1]}
-    state |= {"args": vars(args), "hyp": hyp, "rng": {"world_size": len(rngs), "ranks": rngs}}
-    return state | {"date": datetime.datetime.now().isoformat()}
+    return state | {"args": vars(args), "hyp": hyp, "rng": {"world_size": len(rngs), "ranks": rngs}}
 
 
 def restore(ckpt: dict, model, ema, optimizer, scaler, rank: int, world_size: int) -> bool:
@@ -135,9 +132,8 @@ def save(state: dict, path: str | Path) -> None:
     """torch.save to path.tmp, fsync, rename over path: a crash, kill or full disk at any moment
     leaves the previous file whole; SIGINT and SIGTERM take effect once the write is done."""
     tmp = Path(f"{path}.tmp")
-    # a KeyboardInterrupt inside torch.save would break its zip writer: hold it (main thread only)
-    main = threading.current_thread() is threading.main_thread()
-    held, signals = [], (signal.SIGINT, signal.SIGTERM) if main else ()
+    # a KeyboardInterrupt inside torch.save would break its zip writer: hold it
+    held, signals = [], (signal.SIGINT, signal.SIGTERM)
     old = {s: signal.signal(s, lambda signum, _: held.append(signum)) for s in signals}
     try:
         with open(tmp, "wb") as f:
@@ -167,9 +163,7 @@ def load(path: str | Path) -> dict:
     """A yolo_min training checkpoint for --resume, checked as `training_state` saves it."""
     ckpt = _read(path)
     with _one_line_errors(f"{path}: "):
-        if not isinstance(ckpt, dict) or "optimizer" not in ckpt or "hyp" not in ckpt:
-            raise CheckpointError("not a yolo_min training checkpoint (or too old to resume)")
-        ok = all(isinstance(ckpt[k], t) for k, t in RESUME_TYPES.items())
+        ok = type(ckpt) is dict and all(isinstance(ckpt.get(k), t) for k, t in RESUME_TYPES.items())
         ok = ok and min(ckpt["epoch"], ckpt["best_epoch"], ckpt["ema_updates"]) >= 0
         ok = ok and all(type(v) in (int, float) for v in ckpt["scaler"].values())
         if not ok or not 0 < len(ckpt["rng"]["ranks"]) == ckpt["rng"]["world_size"]:

@@ -234,7 +234,7 @@ def parse_model(d: dict, where: str) -> tuple[nn.Sequential, list[int]]:
         raise ValueError(f"{where}: {_short(bad[0])}: {_short(d[bad[0]])} {why}")
     depth, width = d["depth_multiple"], d["width_multiple"]
     symbols = {"nc": d["nc"], "anchors": d.get("anchors"), "None": None}
-    layers, reused, chs = [], [], [3]  # chs[0]: the image's channels
+    layers, reused, chs = [], [], {-1: 3}  # output channels by layer; -1: the last (the image's)
     for i, row in enumerate(d["backbone"] + d["head"]):
         at = f"{where}: layer {i}"
         src, n, name, args = row if isinstance(row, list) and len(row) == 4 else [None] * 4
@@ -248,7 +248,7 @@ def parse_model(d: dict, where: str) -> tuple[nn.Sequential, list[int]]:
         m, n = MODULES[name], max(round(n * depth), 1) if n > 1 else n
         try:
             args = [symbols.get(a, a) if isinstance(a, str) else a for a in args]
-            c_in = [chs[j + 1 if j >= 0 else j] for j in froms]
+            c_in = [chs[j] for j in froms]
             c_out = c_in[0]
             if m in (Conv, C3, SPPF):
                 c_out = make_divisible(args[0] * width)
@@ -271,7 +271,7 @@ def parse_model(d: dict, where: str) -> tuple[nn.Sequential, list[int]]:
         module.i, module.f = i, src
         layers.append(module)
         reused.extend(j for j in froms if j != -1)
-        chs.append(c_out)
+        chs[i] = chs[-1] = c_out
     return nn.Sequential(*layers), sorted(set(reused))
 
 
