@@ -144,8 +144,7 @@ class Segment(Detect):
 
 
 class Classify(nn.Module):
-    """yolov5's classification head: 1x1 Conv to 1280 channels, global average pool, dropout and
-    Linear: (bs, c1, h, w) -> logits (bs, nc), in train and eval mode (softmax: the user's)."""
+    """1x1 Conv to 1280, average pool, dropout, Linear: (bs, c1, h, w) -> logits (bs, nc)."""
 
     stride = torch.tensor([32.0])  # of the backbone's last map, as yolov5's classifiers keep it
 
