@@ -235,12 +235,12 @@ def test_model_config_is_a_checked_dict(tmp_path, monkeypatch):
     head = [*TINY_CFG["head"][:-1], [nested, nested, "Conv", nested]]
     bad = {"depth_multiple": 1e7, "head": head, "nc": -1, "anchors": [[1, 2], "x"], "mystery": 1}
     words = {"depth_multiple": "'depth_multiple': 10000000.0 is out of range",
-             "head": "layer 24 (Conv): bad 'from' [[[[[[", "nc": "'nc': -1 is out of range",
+             "head": "layer 24: [[[[[[", "nc": "'nc': -1 is out of range",
              "anchors": "'anchors': [[1, 2], 'x'] is", "mystery": "'mystery': 1 is out of range"}
     for key, value in bad.items():
         torch.save({"model": weights, "model_cfg": TINY_CFG | {key: value}}, tmp_path / f"{key}.pt")
         refused(tmp_path / f"{key}.pt", f"model cfg: {words[key]}")
-    many = r"layer 2 \(C3\): bad repeats 1000 or args \[128\] \(1-16, scalars\)"
+    many = r"layer 2: \[-1, 1000, 'C3', \[128\]\] is not \[from .*, repeats \(1-16 after depth"
     with pytest.raises(ValueError, match=many):  # a user's yaml config: the same checks
         Model(TINY_CFG | {"backbone": [*TINY_CFG["backbone"][:2], [-1, 1000, "C3", [128]]]})
 

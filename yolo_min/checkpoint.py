@@ -1,10 +1,8 @@
-"""Checkpoints and run folders: what a training run saves, the atomic write, and hardened loading
-(yolo_min's plain-data checkpoints: weights_only=True; yolov5's pickled modules: inert records)."""
+"""Run folders, checkpoints (what a run saves, the atomic write), hardened loading of .pt files."""
 
 from __future__ import annotations
 
 import contextlib
-import datetime
 import io
 import os
 import pickle
@@ -12,7 +10,6 @@ import pickletools
 import random
 import shutil
 import signal
-import threading
 import zipfile
 from pathlib import Path
 
@@ -107,8 +104,7 @@ def training_state(model, ema, optimizer, scaler, epoch, best, args, hyp, rngs) 
     state |= {"model": model.state_dict(), "ema": ema.ema.state_dict(), "ema_updates": ema.updates}
     state |= {"optimizer": optimizer.state_dict(), "scaler": scaler.state_dict()}
     state |= {"epoch": epoch, "best_fitness": best[0], "best_epoch": best[1]}
-    state |= {"args": vars(args), "hyp": hyp, "rng": {"world_size": len(rngs), "ranks": rngs}}
-    return state | {"date": datetime.datetime.now().isoformat()}
+    return state | {"args": vars(args), "hyp": hyp, "rng": {"world_size": len(rngs), "ranks": rngs}}
 
 
 def restore(ckpt: dict, model, ema, optimizer, scaler, rank: int, world_size: int) -> bool:
@@ -135,11 +131,9 @@ def restore(ckpt: dict, model, ema, optimizer, scaler, rank: int, world_size: in
 def save(state: dict, path: str | Path) -> None:
     """torch.save to path.tmp, fsync, rename over path: a crash, kill or full disk at any moment
     leaves the previous file whole; SIGINT and SIGTERM take effect once the write is done."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    # a KeyboardInterrupt inside torch.save would break its zip writer: hold it (main thread only)
-    main = threading.current_thread() is threading.main_thread()
-    held, signals = [], (signal.SIGINT, signal.SIGTERM) if main else ()
+    tmp = Path(f"{path}.tmp")
+    # a KeyboardInterrupt inside torch.save would break its zip writer: hold it
+    held, signals = [], (signal.SIGINT, signal.SIGTERM)
     old = {s: signal.signal(s, lambda signum, _: held.append(signum)) for s in signals}
     try:
         with open(tmp, "wb") as f:
@@ -169,9 +163,7 @@ def load(path: str | Path) -> dict:
     """A yolo_min training checkpoint for --resume, checked as `training_state` saves it."""
     ckpt = _read(path)
     with _one_line_errors(f"{path}: "):
-        if not isinstance(ckpt, dict) or "optimizer" not in ckpt or "hyp" not in ckpt:
-            raise CheckpointError("not a yolo_min training checkpoint (or too old to resume)")
-        ok = all(isinstance(ckpt[k], t) for k, t in RESUME_TYPES.items())
+        ok = type(ckpt) is dict and all(isinstance(ckpt.get(k), t) for k, t in RESUME_TYPES.items())
         ok = ok and min(ckpt["epoch"], ckpt["best_epoch"], ckpt["ema_updates"]) >= 0
         ok = ok and all(type(v) in (int, float) for v in ckpt["scaler"].values())
         if not ok or not 0 < len(ckpt["rng"]["ranks"]) == ckpt["rng"]["world_size"]:
@@ -181,8 +173,7 @@ def load(path: str | Path) -> dict:
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu") -> Model:
-    """A float32 eval-mode Model from a yolo_min checkpoint or a yolov5 `.pt` (EMA preferred), given
-    memory once its config fits the file's tensors (`fitting_model`). Problems: CheckpointError."""
+    """A float32 eval-mode Model from a yolo_min or yolov5 checkpoint (EMA preferred)."""
     ckpt = _read(path)
     with _one_line_errors(f"{path}: "):
         weights = ckpt.get("ema") or ckpt.get("model") if isinstance(ckpt, dict) else None
@@ -204,9 +195,8 @@ def load_model(path: str | Path, device: str | torch.device = "cpu") -> Model:
 
 
 def fitting_model(cfg, weights: dict) -> Model:
-    """cfg's Model on the meta device (nothing allocated) if its tensors' names and shapes are those
-    of weights; else refused, as a cfg that is not a dict (a file may not make us open another)."""
-    if not isinstance(cfg, dict):
+    """cfg's Model on the meta device (allocating nothing) if its tensors fit weights' shapes."""
+    if not isinstance(cfg, dict):  # a path: a file may not make us open another
         raise CheckpointError("its model config is not a config dict")
     with torch.device("meta"):
         model = Model(cfg)
@@ -297,11 +287,9 @@ def check_tuples(pkl: bytes) -> None:
         takes, mark = op.stack_before, pickletools.markobject
         if op.name in ("PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE"):
             memo[len(memo) if arg is None else arg] = stack[-1]
-            continue
-        if op.name == "MARK":
+        elif op.name == "MARK":
             marks.append(len(stack))
-            continue
-        if op.name in ("GET", "BINGET", "LONG_BINGET", "DUP"):
+        elif op.name in ("GET", "BINGET", "LONG_BINGET", "DUP"):
             stack.append(stack[-1] if arg is None else memo[arg])
         else:  # pop what the op takes (the objects from its mark on, and below), push what it makes
             start = marks.pop() - takes.index(mark) if mark in takes else len(stack) - len(takes)

@@ -12,7 +12,6 @@ import torch
 import torch.nn as nn
 import yaml
 from torch.nn.utils import fuse_conv_bn_eval
-from torch.utils.flop_counter import FlopCounterMode
 
 CFG_DIR = Path(__file__).parent / "cfg"
 
@@ -96,13 +95,6 @@ class Proto(nn.Module):
         return self.cv3(self.cv2(self.upsample(self.cv1(x))))
 
 
-def float32(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """module(x) in float32, also under autocast (--amp): the head's outputs, logits of boxes,
-    objectness and classes, lose ~0.07 mAP50 in bfloat16 (shapes, 30 epochs: 0.886 vs 0.958)."""
-    with torch.autocast("cuda" if x.is_cuda else "cpu", enabled=False):  # also on meta
-        return module(x.float())
-
-
 class Detect(nn.Module):
     """One 1x1 conv per level to na * (5 + nc + nm) channels; `anchors` (nl, na, 2) in grid units.
     train: nl raw maps (bs, na, ny, nx, no), channels [tx, ty, tw, th, obj, cls..., coefs...];
@@ -114,14 +106,17 @@ class Detect(nn.Module):
         self.nl, self.na = len(anchors), len(anchors[0]) // 2
         self.register_buffer("anchors", torch.tensor(anchors).float().view(self.nl, -1, 2))
         self.m = nn.ModuleList(nn.Conv2d(c, self.no * self.na, 1) for c in ch)
-        self.stride = torch.ones(self.nl)  # measured by Model
+        # self.stride (nl,): the levels' strides in input pixels, which Model measures
 
     def forward(self, xs: list[torch.Tensor]):
         raw = []
-        for i, x in enumerate(xs):
-            bs, _, ny, nx = x.shape
-            x = float32(self.m[i], x).view(bs, self.na, self.no, ny, nx)
-            raw.append(x.permute(0, 1, 3, 4, 2).contiguous())
+        # in float32 also under autocast (--amp): the logits of boxes, objectness and classes lose
+        # ~0.07 mAP50 in bfloat16 (shapes, 30 epochs: 0.886 vs 0.958); "cpu" also on meta
+        with torch.autocast("cuda" if xs[0].is_cuda else "cpu", enabled=False):
+            for conv, x in zip(self.m, xs):
+                bs, _, ny, nx = x.shape
+                x = conv(x.float()).view(bs, self.na, self.no, ny, nx)
+                raw.append(x.permute(0, 1, 3, 4, 2).contiguous())
         if self.training:
             return raw
         return torch.cat([self._decode(x, i) for i, x in enumerate(raw)], 1)
@@ -138,8 +133,7 @@ class Detect(nn.Module):
 
 
 class Segment(Detect):
-    """Detect plus mask coefficients and a Proto branch on the P3 features: in train mode
-    (raw maps, protos (bs, nm, H/4, W/4)), in eval mode (decoded (bs, N, 5+nc+nm), protos)."""
+    """Detect plus nm mask coefficients: (Detect's output, protos (bs, nm, H/4, W/4) from P3)."""
 
     def __init__(self, nc=80, anchors=(), nm: int = 32, npr: int = 256, ch: list = ()):
         super().__init__(nc, anchors, ch, nm=nm)
@@ -150,8 +144,7 @@ class Segment(Detect):
 
 
 class Classify(nn.Module):
-    """yolov5's classification head: 1x1 Conv to 1280 channels, global average pool, dropout and
-    Linear: (bs, c1, h, w) -> logits (bs, nc), in train and eval mode (softmax: the user's)."""
+    """1x1 Conv to 1280, average pool, dropout, Linear: (bs, c1, h, w) -> logits (bs, nc)."""
 
     stride = torch.tensor([32.0])  # of the backbone's last map, as yolov5's classifiers keep it
 
@@ -205,20 +198,21 @@ def load_cfg(cfg: str | Path | dict) -> tuple[dict, str]:
 # What a config may hold, checked before anything is built (a checkpoint's config is untrusted)
 MAX_LAYERS, MAX_REPEATS, MAX_NUMBER = 50, 16, 10_000  # yolov5x: 10 + 15 layers, repeats <= 12
 CFG_CHECKS = {  # the first five are required (anchors too with a Detect or Segment head)
-    "nc": lambda v: type(v) is int and 0 < v <= MAX_NUMBER,
-    "depth_multiple": lambda v: _number(v, 0, 4) and v > 0,
-    "width_multiple": lambda v: _number(v, 0, 4) and v > 0,
+    "nc": lambda v: type(v) is int and _number(v, 0),
+    "depth_multiple": lambda v: _number(v, 0, 4),
+    "width_multiple": lambda v: _number(v, 0, 4),
     "backbone": lambda v: _rows(v, MAX_LAYERS),
     "head": lambda v: _rows(v, MAX_LAYERS),
     "anchors": lambda v: _rows(v, 8) and all(_rows(r, 20) and all(map(_number, r)) for r in v),
     "ch": lambda v: v == 3,
     "names": lambda v: isinstance(v, list) and all(isinstance(n, str) for n in v),
 }
+ROW = "[from (-1 or earlier layers), repeats (1-16 after depth_multiple), module, args (scalars)]"
 
 
 def _number(x, low: float = -MAX_NUMBER, high: float = MAX_NUMBER) -> bool:
-    """x is an int or float (no bool) in [low, high]: neither NaN nor inf nor huge."""
-    return type(x) in (int, float) and low <= x <= high
+    """x is an int or float (no bool) in (low, high]: neither NaN nor inf nor huge."""
+    return type(x) in (int, float) and low < x <= high
 
 
 def _rows(x, most: int) -> bool:
@@ -230,42 +224,30 @@ def _short(x) -> str:
     return reprlib.repr(x)[:40]
 
 
-def check_cfg(d, where: str) -> None:
-    """ValueError unless d is a model config of sane size: known keys, values passing CFG_CHECKS."""
+def parse_model(d: dict, where: str) -> tuple[nn.Sequential, list[int]]:
+    """A checked yolov5 cfg dict's layers, and the indices of layers whose outputs are reused."""
     if missing := [k for k in list(CFG_CHECKS)[:5] if not isinstance(d, dict) or k not in d]:
         raise ValueError(f"{where}: missing key '{missing[0]}'")
     if bad := [k for k in d if k not in CFG_CHECKS or not CFG_CHECKS[k](d[k])]:
         why = "is out of range or of the wrong type (or an unknown key)"
         raise ValueError(f"{where}: {_short(bad[0])}: {_short(d[bad[0]])} {why}")
-
-
-def parse_model(d: dict, ch: int, where: str) -> tuple[nn.Sequential, list[int]]:
-    """The layers of a yolov5 cfg dict (checked: `check_cfg`, then each row before it is built), and
-    the indices of layers whose outputs are reused later."""
-    check_cfg(d, where)
     depth, width = d["depth_multiple"], d["width_multiple"]
     symbols = {"nc": d["nc"], "anchors": d.get("anchors"), "None": None}
-    layers, reused, chs = [], [], [ch]  # chs[0] is the image's
+    layers, reused, chs = [], [], {-1: 3}  # output channels by layer; -1: the last (the image's)
     for i, row in enumerate(d["backbone"] + d["head"]):
         at = f"{where}: layer {i}"
-        if not (isinstance(row, list) and len(row) == 4):
-            raise ValueError(f"{at}: expected [from, repeats, module, args], got {_short(row)}")
-        src, n, name, args = row
-        if not isinstance(name, str) or name not in MODULES:
+        src, n, name, args = row if isinstance(row, list) and len(row) == 4 else [None] * 4
+        froms = src if isinstance(src, list) else [src]
+        ok = froms and all(type(j) is int and -1 <= j < i for j in froms) and isinstance(name, str)
+        ok = ok and type(n) is int and 0 < n * depth <= MAX_REPEATS and isinstance(args, list)
+        if not ok or not all(a is None or type(a) in (str, bool) or _number(a) for a in args):
+            raise ValueError(f"{at}: {_short(row)} is not {ROW}")
+        if name not in MODULES:
             raise ValueError(f"{at}: unknown module {_short(name)} (known: {', '.join(MODULES)})")
-        m, froms = MODULES[name], src if isinstance(src, list) else [src]
-        at += f" ({name})"
-        if not froms or not all(type(j) is int and (j == -1 or 0 <= j < i) for j in froms):
-            raise ValueError(f"{at}: bad 'from' {_short(src)}")
-        flat = isinstance(args, list)
-        flat = flat and all(a is None or type(a) in (str, bool) or _number(a) for a in args)
-        if not (type(n) is int and 0 < n <= MAX_REPEATS and n * depth <= MAX_REPEATS and flat):
-            why = f"repeats {_short(n)} or args {_short(args)} (1-{MAX_REPEATS}, scalars)"
-            raise ValueError(f"{at}: bad {why}")
-        n = max(round(n * depth), 1) if n > 1 else n
+        m, n = MODULES[name], max(round(n * depth), 1) if n > 1 else n
         try:
             args = [symbols.get(a, a) if isinstance(a, str) else a for a in args]
-            c_in = [chs[j + 1 if j >= 0 else j] for j in froms]
+            c_in = [chs[j] for j in froms]
             c_out = c_in[0]
             if m in (Conv, C3, SPPF):
                 c_out = make_divisible(args[0] * width)
@@ -284,31 +266,29 @@ def parse_model(d: dict, ch: int, where: str) -> tuple[nn.Sequential, list[int]]
                 args.append(c_in)
             module = nn.Sequential(*(m(*args) for _ in range(n))) if n > 1 else m(*args)
         except (TypeError, ValueError, IndexError) as e:
-            raise ValueError(f"{at}: bad args {_short(args)}: {e}") from None
+            raise ValueError(f"{at} ({name}): bad args {_short(args)}: {e}") from None
         module.i, module.f = i, src
         layers.append(module)
-        reused.extend(j % i for j in froms if j != -1)
-        chs.append(c_out)
+        reused.extend(j for j in froms if j != -1)
+        chs[i] = chs[-1] = c_out
     return nn.Sequential(*layers), sorted(set(reused))
 
 
 class Model(nn.Module):
-    """A YOLOv5 network from a cfg (a shipped config's bare name, a path or a dict). Input: float
-    images (bs, 3, H, W), H and W multiples of 32, in [0, 1] (classify: normalised with ImageNet's
-    mean and std); output: the head's. `task`: "detect", "segment" or "classify", from the head."""
+    """A YOLOv5 network from a cfg (see load_cfg). Input: float images (bs, 3, H, W), H and W
+    multiples of 32, in [0, 1] (classify: ImageNet mean/std normalised); output: the head's."""
 
     def __init__(self, cfg: str | Path | dict = "yolov5n.yaml", nc: int | None = None):
         super().__init__()
         self.yaml, where = load_cfg(cfg)
         if nc is not None:
             self.yaml["nc"] = nc
-        self.model, self.reused = parse_model(self.yaml, 3, where)
+        self.model, self.reused = parse_model(self.yaml, where)
         head = self.head
         if type(head) not in TASKS:
             raise ValueError(f"{where}: the last layer must be Detect, Segment or Classify")
         self.task, self.nc = TASKS[type(head)], head.nc
         self.names = self.yaml.get("names") or [str(i) for i in range(head.nc)]
-        self.cfg_name = Path(where).stem
         if self.task != "classify":  # strides from one dummy pass; then the anchors in grid units
             with torch.no_grad():
                 out = self.forward(torch.zeros(1, 3, 256, 256))
@@ -343,14 +323,6 @@ class Model(nn.Module):
                 m.conv, m.bn = fuse_conv_bn_eval(m.conv, m.bn), nn.Identity()
         return self
 
-    def info(self, imgsz: int = 640) -> str:
-        """One summary line: layers, parameters and GFLOPs at imgsz (2 x MACs)."""
-        params = sum(p.numel() for p in self.parameters())
-        with torch.no_grad(), FlopCounterMode(display=False) as counter:
-            deepcopy(self).eval()(torch.zeros(1, 3, imgsz, imgsz).to(next(self.parameters())))
-        flops = f"{params:,} parameters, {counter.get_total_flops() / 1e9:.1f} GFLOPs at {imgsz}"
-        return f"{self.cfg_name} summary: {len(list(self.modules()))} layers, {flops}"
-
 
 def de_parallel(model: nn.Module) -> nn.Module:
     """The plain model inside a DDP wrapper (or the model itself)."""
@@ -358,18 +330,17 @@ def de_parallel(model: nn.Module) -> nn.Module:
 
 
 class ModelEMA:
-    """Exponential moving average of every float tensor of a model's state (weights, BN buffers);
-    decay = 0.9999 * (1 - exp(-updates / 2000)): short memory early in training, long later."""
+    """Exponential moving average of every float tensor of a model's state (weights, BN buffers)."""
 
-    def __init__(self, model: nn.Module, decay: float = 0.9999, tau: float = 2000):
+    def __init__(self, model: nn.Module):
         self.ema = deepcopy(de_parallel(model)).eval().requires_grad_(False)
-        self.updates, self.decay, self.tau = 0, decay, tau
+        self.updates = 0
 
     @torch.no_grad()
     def update(self, model: nn.Module) -> None:
         """After an optimizer step: ema = d * ema + (1 - d) * model."""
         self.updates += 1
-        d = self.decay * (1 - math.exp(-self.updates / self.tau))
+        d = 0.9999 * (1 - math.exp(-self.updates / 2000))  # short memory early in training
         state = de_parallel(model).state_dict()
         for k, v in self.ema.state_dict().items():
             if v.dtype.is_floating_point:
