@@ -2,6 +2,7 @@
 each must end in one CheckpointError line naming the file and the reason (in-process), or exit 2
 with one line on stderr (val.py), within seconds and without a memory blow-up, running nothing and
 opening no file that it names."""
+
 import collections
 import copy
 import os
@@ -146,10 +147,12 @@ def test_not_a_zip_of_stored_members(tmp_path):
 def test_refused_globals(tmp_path):
     """Exact names only: no dotted name, no other torch global, no os.system; a CUDA storage class
     becomes torch's inert StorageType (CUDA is not initialised)."""
-    cases = [("torch", "cuda.FloatStorage", "refusing 'torch.cuda.FloatStorage'"),
-             ("torch._guards", "_TLSStorage", "refusing 'torch._guards._TLSStorage'"),
-             ("posix", "system", "refusing 'posix.system'"),
-             ("torch.cuda", "FloatStorage", "TypeError: 'StorageType' object is not callable")]
+    cases = [
+        ("torch", "cuda.FloatStorage", "refusing 'torch.cuda.FloatStorage'"),
+        ("torch._guards", "_TLSStorage", "refusing 'torch._guards._TLSStorage'"),
+        ("posix", "system", "refusing 'posix.system'"),
+        ("torch.cuda", "FloatStorage", "TypeError: 'StorageType' object is not callable"),
+    ]
     for i, (module, name, words) in enumerate(cases):
         pkl = f"c{module}\n{name}\nK\n\x85R".encode("latin-1")  # name(10)
         with pytest.raises(CheckpointError):  # by torch's weights_only unpickler
@@ -203,12 +206,17 @@ def test_fixtures_pass_the_checks(fixtures_dir, monkeypatch):
     """Every yolov5 file users have passes the zip, pickle and tree checks (the classifier too,
     whose model is built by a later issue); the segmentation one pickles getattr(Detect, ...).
     A model's dummy pass runs on the meta device only: a file cannot make it allocate."""
-    for name in ("yolov5n_random_v5format.pt", "yolov5n-cls_v5format.pt", "predict/det.pt",
-                 "predict/seg.pt"):
+    for name in (
+        "yolov5n_random_v5format.pt",
+        "yolov5n-cls_v5format.pt",
+        "predict/det.pt",
+        "predict/seg.pt",
+    ):
         assert isinstance(checkpoint._read(fixtures_dir / name), dict)
     devices, forward = [], Model.forward
-    monkeypatch.setattr(Model, "forward", lambda self, x: devices.append(x.device.type) or
-                        forward(self, x))
+    monkeypatch.setattr(
+        Model, "forward", lambda self, x: devices.append(x.device.type) or forward(self, x)
+    )
     model = load_model(fixtures_dir / "predict" / "seg.pt")
     assert model.task == "segment" and model.names == ["circle", "rectangle", "triangle"]
     assert devices == ["meta"] and next(model.parameters()).device.type == "cpu"
@@ -234,9 +242,13 @@ def test_model_config_is_a_checked_dict(tmp_path, monkeypatch):
         nested = [nested, nested]
     head = [*TINY_CFG["head"][:-1], [nested, nested, "Conv", nested]]
     bad = {"depth_multiple": 1e7, "head": head, "nc": -1, "anchors": [[1, 2], "x"], "mystery": 1}
-    words = {"depth_multiple": "'depth_multiple': 10000000.0 is out of range",
-             "head": "layer 24: [[[[[[", "nc": "'nc': -1 is out of range",
-             "anchors": "'anchors': [[1, 2], 'x'] is", "mystery": "'mystery': 1 is out of range"}
+    words = {
+        "depth_multiple": "'depth_multiple': 10000000.0 is out of range",
+        "head": "layer 24: [[[[[[",
+        "nc": "'nc': -1 is out of range",
+        "anchors": "'anchors': [[1, 2], 'x'] is",
+        "mystery": "'mystery': 1 is out of range",
+    }
     for key, value in bad.items():
         torch.save({"model": weights, "model_cfg": TINY_CFG | {key: value}}, tmp_path / f"{key}.pt")
         refused(tmp_path / f"{key}.pt", f"model cfg: {words[key]}")
@@ -250,8 +262,10 @@ def test_resume_state_is_checked(tmp_path, last_pt):
     """A last.pt's values are checked as train.py saves them (types, ranges, random states, the
     config against the weights, optimizer buffers): one line, before training starts."""
     cases = {
-        "optimizer.state": ({0: {"momentum_buffer": torch.zeros(1).expand(HUGE)}},
-                            f"tensor 'optimizer.state.0.momentum_buffer' declares {HUGE} elements"),
+        "optimizer.state": (
+            {0: {"momentum_buffer": torch.zeros(1).expand(HUGE)}},
+            f"tensor 'optimizer.state.0.momentum_buffer' declares {HUGE} elements",
+        ),
         "epoch": (-1, "its values are not of the types and ranges train.py saves"),
         "ema_updates": ("7", "its values are not of the types"),
         "rng.world_size": (2, "its values are not of the types"),
@@ -261,9 +275,11 @@ def test_resume_state_is_checked(tmp_path, last_pt):
     for i, (key, (value, words)) in enumerate(cases.items()):
         path = training_file(tmp_path / f"{i}.pt", last_pt, **{key: value})
         refused(path, words, load=checkpoint.load)
-    for key, value, words in [("args.epochs", "x", "not train.py's arguments"),
-                              ("args.cache", "disk", "--cache must be auto, ram or off"),
-                              ("hyp.lr0", "x", "--hyp: lr0 is 'x', not a finite number")]:
+    for key, value, words in [
+        ("args.epochs", "x", "not train.py's arguments"),
+        ("args.cache", "disk", "--cache must be auto, ram or off"),
+        ("hyp.lr0", "x", "--hyp: lr0 is 'x', not a finite number"),
+    ]:
         path = training_file(tmp_path / "last.pt", last_pt, **{key: value})
         with pytest.raises(train.ConfigError, match=words):
             train.main(train.get_args_parser().parse_args(["--resume", str(path)]))
@@ -272,8 +288,11 @@ def test_resume_state_is_checked(tmp_path, last_pt):
 def test_restore_refuses_what_does_not_fit(tmp_path, last_pt):
     """Optimizer buffers of other shapes and settings that are not numbers end before training."""
     model = Model(TINY_CFG, nc=2)
-    for key, value in [("optimizer.state", {0: {"momentum_buffer": torch.zeros(3)}}),
-                       ("optimizer.param_groups.0.lr", "x"), ("rng.ranks.0.numpy", "x")]:
+    for key, value in [
+        ("optimizer.state", {0: {"momentum_buffer": torch.zeros(3)}}),
+        ("optimizer.param_groups.0.lr", "x"),
+        ("rng.ranks.0.numpy", "x"),
+    ]:
         ckpt = checkpoint.load(training_file(tmp_path / "last.pt", last_pt, **{key: value}))
         opt = train.build_optimizer(model, 0.01, 0.9, 0.0)
         scaler, ema = torch.amp.GradScaler("cuda", enabled=False), train.ModelEMA(model)
@@ -288,15 +307,34 @@ def test_val_refuses_in_one_line_fast_and_small(tmp_path, v5, data_dir):
     minutes) and under 1.5 GB peak memory (per process, from wait4)."""
     (tmp_path / "text.pt").write_text("not weights\n")
     weight = torch.zeros(1).expand(HUGE)
-    files = {"text": tmp_path / "text.pt", "bomb": zip_bomb(tmp_path / "bomb.pt"),
-             "stride0": v5_file(tmp_path / "s0.pt", v5, weight, yaml=TINY_CFG)}
+    files = {
+        "text": tmp_path / "text.pt",
+        "bomb": zip_bomb(tmp_path / "bomb.pt"),
+        "stride0": v5_file(tmp_path / "s0.pt", v5, weight, yaml=TINY_CFG),
+    }
     env, procs, t0 = {**os.environ, "OMP_NUM_THREADS": "1"}, {}, time.time()
     for name, path in files.items():
-        cmd = [sys.executable, str(ROOT / "val.py"), "--weights", str(path), "--data",
-               str(data_dir / "coco8.yaml"), "--imgsz", "64", "--project", str(tmp_path / "runs")]
+        cmd = [
+            sys.executable,
+            str(ROOT / "val.py"),
+            "--weights",
+            str(path),
+            "--data",
+            str(data_dir / "coco8.yaml"),
+            "--imgsz",
+            "64",
+            "--project",
+            str(tmp_path / "runs"),
+        ]
         with open(tmp_path / f"{name}.err", "w") as err:
-            procs[name] = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdin=subprocess.PIPE,
-                                           stdout=subprocess.DEVNULL, stderr=err)
+            procs[name] = subprocess.Popen(
+                cmd,
+                cwd=tmp_path,
+                env=env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+            )
     ended = {}  # name: (seconds, exit code, peak GB)
     while len(ended) < len(procs) and time.time() - t0 < 300:
         for name, p in procs.items():
@@ -321,6 +359,7 @@ def test_images_over_the_pixel_limit_are_skipped(tmp_path, monkeypatch):
     """An image PIL would only warn about (between 1x and 2x its limit) is named and skipped as
     corrupt, before it is decoded."""
     from PIL import Image
+
     Image.new("RGB", (120, 100)).save(tmp_path / "big.png")
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 10_000)
     status, _, _, msgs, _, _ = labels.verify(str(tmp_path / "big.png"), str(tmp_path / "big.txt"))
@@ -347,5 +386,9 @@ def test_autoanchor_fits_a_bounded_seeded_sample(monkeypatch):
         anchors.check_anchors([dict(bboxes=boxes[:n], shape=(640, 640))], poor, 4.0, 640, seed=0)
     assert [len(w) for w in fitted] == [10_000, 10_000, 5_000]
     assert (fitted[0] == fitted[1]).all()  # seeded
-    assert (fitted[2] == anchors.label_wh([dict(bboxes=boxes[:5000], shape=(640, 640))], 640,
-                                          np.random.default_rng(0))).all()
+    assert (
+        fitted[2]
+        == anchors.label_wh(
+            [dict(bboxes=boxes[:5000], shape=(640, 640))], 640, np.random.default_rng(0)
+        )
+    ).all()

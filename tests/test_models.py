@@ -1,6 +1,7 @@
-"""Models: architecture, exact numerics against yolov5 fixtures, config errors, checkpoint import."""
+"""Models: architecture, exact numerics against yolov5 fixtures, config errors, checkpoint
+import."""
+
 import math
-import pickle
 from copy import deepcopy
 
 import pytest
@@ -108,17 +109,30 @@ def test_parameter_count():
 
 def cfg_dict(**changes):
     import yaml
+
     d = yaml.safe_load((CFG_DIR / "yolov5n.yaml").read_text())
     d.update(changes)
     return d
 
 
-@pytest.mark.parametrize("mutate, message", [
-    (lambda d: d["head"].__setitem__(0, [-1, 1, "Foo", [512]]), "layer 10: unknown module 'Foo'"),
-    (lambda d: d["head"].__setitem__(2, [[-1, 99], 1, "Concat", [1]]), "layer 12: [[-1, 99], 1, 'Concat', [1]] is not [from (-1 or earlier layers)"),
-    (lambda d: d.pop("anchors"), "missing key 'anchors'"),
-    (lambda d: d["backbone"].__setitem__(1, [-1, 1, "Conv"]), "layer 1: [-1, 1, 'Conv'] is not [from"),
-])
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (
+            lambda d: d["head"].__setitem__(0, [-1, 1, "Foo", [512]]),
+            "layer 10: unknown module 'Foo'",
+        ),
+        (
+            lambda d: d["head"].__setitem__(2, [[-1, 99], 1, "Concat", [1]]),
+            "layer 12: [[-1, 99], 1, 'Concat', [1]] is not [from (-1 or earlier layers)",
+        ),
+        (lambda d: d.pop("anchors"), "missing key 'anchors'"),
+        (
+            lambda d: d["backbone"].__setitem__(1, [-1, 1, "Conv"]),
+            "layer 1: [-1, 1, 'Conv'] is not [from",
+        ),
+    ],
+)
 def test_parse_errors(mutate, message):
     d = cfg_dict()
     mutate(d)
@@ -147,6 +161,7 @@ def test_load_yolov5_checkpoint(fixtures_dir):
 class _Evil:
     def __reduce__(self):
         import os
+
         return os.system, ("touch PWNED_MARKER",)
 
 
