@@ -103,12 +103,10 @@ def place_labels(pieces: list, labels: list, M: np.ndarray, sc: float, out_wh: t
     polygons (None: a box). A polygon: NPTS points clamped to its piece, its box the extent of those
     in the output; a box: its clipped corners. sc: the affine's scale; shifts: render's."""
     W, H = out_wh
-    # per piece: cls, box before (canvas), box after (output), has-polygon; first: no rows at all
+    # per piece: cls, box before (canvas), box after (output), has-polygon; first: float64, no rows
     empty = (np.zeros(0, np.int64), np.zeros((0, 4)), np.zeros((0, 4)), np.zeros(0, bool))
     out, polys = [empty], []
     for p, lb, (dx, dy) in zip(pieces, labels, shifts):
-        if not len(lb["cls"]):
-            continue
         (h0, w0), seg = lb["shape"], len(lb["segments"]) > 0
         pts = resample(lb["segments"]) if seg else box_corners(xywh2xyxy(lb["bboxes"]))
         x = np.clip(pts[..., 0] * (w0 * p.r) + p.ox + dx, p.clip[0], p.clip[2])

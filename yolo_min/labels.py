@@ -69,9 +69,9 @@ def list_images(sources, prefix: str = "", verbose: bool = True) -> list[str]:
 
 
 def parse_labels(text: str, where: str, nc: int | None = None) -> tuple[list, list, int, int]:
-    """Label file text -> (rows [(cls, [cx, cy, w, h], (k,2) or None)], msgs, dropped, fixed). Row:
+    """Label file text -> (rows [(cls, [cx, cy, w, h], polygon (k,2))], msgs, dropped, fixed). Row:
     `cls cx cy w h` or `cls x1 y1 x2 y2 x3 y3 ...` (a polygon, its box its extent) in [0, 1]. A file
-    with both has its box rows made rectangles: all rows or none have a polygon."""
+    with both has its box rows made rectangles: all rows or none have a polygon (else k = 0)."""
     rows, seen, msgs, dropped, fixed = [], {}, [], 0, 0
     for ln, line in enumerate(text.splitlines(), 1):
         parts, why = line.split(), None
@@ -116,10 +116,10 @@ def parse_labels(text: str, where: str, nc: int | None = None) -> tuple[list, li
             continue
         seen[tuple(v)] = ln
         box = [(x0 + x1) / 2, (y0 + y1) / 2, x1 - x0, y1 - y0]
-        rows.append((int(v[0]), box, pts if n > 5 else None))
-    if len({p is None for _, _, p in rows}) == 2:
+        rows.append((int(v[0]), box, pts if n > 5 else np.zeros((0, 2))))
+    if len({len(p) > 0 for _, _, p in rows}) == 2:
         msgs.append(f"{where}: mixes box rows and polygon rows; boxes are used as rectangles")
-        rows = [(c, b, box_corners(xywh2xyxy(np.array(b))) if p is None else p) for c, b, p in rows]
+        rows = [(c, b, p if len(p) else box_corners(xywh2xyxy(np.array(b)))) for c, b, p in rows]
     return rows, msgs, dropped, fixed
 
 
@@ -165,14 +165,13 @@ def _verify_all(files: list, lb_files: list, nc) -> dict:
         res = list(ex.map(lambda a: verify(*a, nc), zip(files, lb_files)))
     status, shapes, file_rows, file_msgs, dropped, fixed = zip(*res)
     cls, boxes, polys = list(zip(*[row for r in file_rows for row in r])) or [(), (), ()]
-    pts = [p for p in polys if p is not None] + [np.zeros((0, 2))]
     no_dir = sorted({os.path.dirname(lb) for s, lb in zip(status, lb_files) if s == MISSING})
     bg = "does not exist: its images are used as background"
     msgs = [m for ms in file_msgs for m in ms]
     msgs += [f"labels folder {d} {bg}" for d in no_dir if not os.path.isdir(d)]
     boxes = torch.from_numpy(np.array(boxes, np.float32).reshape(-1, 4))
-    pts = torch.from_numpy(np.concatenate(pts).astype(np.float32))
-    npts = [0 if p is None else len(p) for p in polys]
+    pts = torch.from_numpy(np.concatenate([*polys, np.zeros((0, 2))]).astype(np.float32))
+    npts = [len(p) for p in polys]
     per_file = dict(status=list(status), shapes=list(shapes), nrows=[len(r) for r in file_rows])
     per_row = dict(cls=torch.tensor(cls, dtype=torch.int64), boxes=boxes, npts=npts, pts=pts)
     return per_file | per_row | dict(msgs=msgs, dropped=sum(dropped), fixed=sum(fixed))
