@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 import os
 import random
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +18,7 @@ from torchvision.transforms import v2
 
 from . import shapes
 from .augment import Piece, affine_matrix, hsv_jitter, overlap_mask, place_labels, render
-from .labels import CORRUPT, MAX_WARNINGS, DataError, list_images, load_labels, verify
+from .labels import CORRUPT, MAX_WARNINGS, DataError, list_images, load_labels, thread_map, verify
 from .ops import box_corners, xywh2xyxy, xyxy2xywh
 
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # RGB, pixels in [0, 1]
@@ -128,8 +127,8 @@ class YOLODataset(Dataset):
             rel = np.stack([np.where(hi < 1, hi, 1), np.where(lo > 1, 1 / lo, 1)], 1)  # H, W / size
             self.batch_shapes = np.ceil(rel * imgsz / stride + 0.5).astype(int) * stride
         # each image's (w, h) in the RAM cache: long side imgsz
-        dims = np.round(hw[:, ::-1] * imgsz / hw.max(1, keepdims=True)).astype(int)
-        size, free, self._ram = int(dims.prod(1).sum()) * 3, available_memory(), None
+        self._dims = np.round(hw[:, ::-1] * imgsz / hw.max(1, keepdims=True)).astype(int)
+        size, free, self._ram = int(self._dims.prod(1).sum()) * 3, available_memory(), None
         need = size * local_world_size
         if cache == "auto":  # small enough: decode each image once instead of in every epoch
             cache = "ram" if need < free / 10 else None
@@ -137,10 +136,8 @@ class YOLODataset(Dataset):
             gb = f"needs {need / 1e9:.1f} GB, {free / 1e9:.1f} GB is available"
             raise DataError(f"{prefix}caching the images in RAM {gb}: use --cache off")
         if cache == "ram":  # forked workers share these pages
-            scales, wh = dims[:, 0] / hw[:, 1], dims.tolist()
-            with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:  # PIL decodes without GIL
-                loaded = pool.map(self.load_image, range(len(self)), scales, wh)
-                self._ram = [im for im, _ in loaded]
+            scales, wh = self._dims[:, 0] / hw[:, 1], self._dims.tolist()
+            self._ram = [im for im, _ in thread_map(self.load_image, range(len(self)), scales, wh)]
             if verbose:
                 print(f"{prefix}{len(self)} images cached in RAM ({size / 1e6:.0f} MB)", flush=True)
 
@@ -253,8 +250,7 @@ class ClassifyDataset(ImageFolder):
         train = [v2.RandomResizedCrop(imgsz), v2.RandomHorizontalFlip(0.5), jitter]  # yolov5's
         steps = train if augment else [center_square, v2.Resize((imgsz, imgsz))]
         self.transform = v2.Compose([*steps, v2.PILToTensor()])
-        with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:  # PIL decodes without GIL
-            checks = list(pool.map(lambda s: verify(s[0], ""), self.samples))  # no label file
+        checks = thread_map(lambda s: verify(s[0], ""), self.samples)  # no label file
         self.samples = [s for s, c in zip(self.samples, checks) if c[0] != CORRUPT]
         self.imgs, self.targets = self.samples, [k for _, k in self.samples]
         self.stats = dict(images=len(checks), corrupt=len(checks) - len(self.samples))

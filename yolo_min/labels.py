@@ -3,6 +3,7 @@ Bad input never crashes and is never silent: one warning per problem (file and l
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -34,6 +35,12 @@ SUMMARY = (
 
 class DataError(ValueError):
     """A dataset problem that stops the run: the message is one actionable line."""
+
+
+def thread_map(fn, *iterables) -> list:
+    """list(map(fn, *iterables)) on up to 8 threads: PIL decodes without holding the GIL."""
+    with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
+        return list(pool.map(fn, *iterables))
 
 
 def img2label_path(f: str) -> str:
@@ -161,8 +168,7 @@ def verify(im_file: str, lb_file: str, nc: int | None = None) -> tuple:
 
 def _verify_all(files: list, lb_files: list, nc) -> dict:
     """Verify every pair -> lists per file, flat tensors per row (weights_only-loadable)."""
-    with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as ex:
-        res = list(ex.map(lambda a: verify(*a, nc), zip(files, lb_files)))
+    res = thread_map(verify, files, lb_files, [nc] * len(files))
     status, shapes, file_rows, file_msgs, dropped, fixed = zip(*res)
     cls, boxes, polys = list(zip(*[row for r in file_rows for row in r])) or [(), (), ()]
     no_dir = sorted({os.path.dirname(lb) for s, lb in zip(status, lb_files) if s == MISSING})
@@ -185,12 +191,10 @@ def _load_or_build(files: list, nc, prefix: str, verbose: bool) -> dict:
         s = os.stat(f) if os.path.exists(f) else None
         h.update(f"{f}|{s and (s.st_size, s.st_mtime_ns, s.st_mode)}\n".encode())
     key, path = h.hexdigest(), Path(os.path.dirname(lb_files[0]) + ".cache")
-    try:
+    with contextlib.suppress(Exception):  # absent, another format or damaged: verify again
         data = torch.load(path, weights_only=True)  # tensors, lists, numbers, strings: no code
         if data["key"] == key:
             return data
-    except Exception:  # absent, another format or damaged: verify again
-        pass
     data = dict(_verify_all(files, lb_files, nc), key=key)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # written whole, then renamed
     try:
