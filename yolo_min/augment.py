@@ -22,8 +22,7 @@ Piece = namedtuple("Piece", "index r ox oy clip")
 
 
 def affine_matrix(in_wh: tuple, out_wh: tuple, hyp: dict) -> tuple[np.ndarray, float]:
-    """yolov5's random T @ S @ R @ P @ C from the recipe: a 3x3 matrix from canvas pixels (x, y, 1)
-    to output pixels, and its scale. in_wh, out_wh: (width, height) of the canvas and the output."""
+    """yolov5's random T @ S @ R @ P @ C -> (3x3: canvas (in_wh) to output (out_wh) px, scale)."""
     p, deg, sh, tr = hyp["perspective"], hyp["degrees"], hyp["shear"], hyp["translate"]
     C, P, S, T = np.eye(3), np.eye(3), np.eye(3), np.eye(3)
     C[0, 2], C[1, 2] = -in_wh[0] / 2, -in_wh[1] / 2  # canvas centre to the origin

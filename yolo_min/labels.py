@@ -81,14 +81,11 @@ def parse_labels(text: str, where: str, nc: int | None = None) -> tuple[list, li
     with both has its box rows made rectangles: all rows or none have a polygon (else k = 0)."""
     rows, seen, msgs, dropped, fixed = [], {}, [], 0, 0
     for ln, line in enumerate(text.splitlines(), 1):
-        parts, why = line.split(), None
-        if not parts:
+        if not (parts := line.split()):
             continue
-        n = len(parts)
-        try:
+        n, why, v = len(parts), None, None
+        with contextlib.suppress(ValueError):  # v stays None
             v = np.array([float(x) for x in parts])
-        except ValueError:
-            v = None
         if n < 5:
             why = f"{n} values; a row is 'cls cx cy w h' or 'cls x1 y1 x2 y2 x3 y3 ...'"
         elif n > 5 and n % 2 == 0:
