@@ -220,13 +220,13 @@ class YOLODataset(Dataset):
 
     def ground_truth(self, i: int) -> dict:
         """Labels of image i in ORIGINAL pixels: cls (n,) int64, boxes (n,4) xyxy float32, polygons
-        [(k,2) float32] (rectangles of box rows for segment data; [] for detect data), orig_hw."""
+        [(k,2) float32] (rectangles of box rows for segment data; [] for detect data)."""
         lb = self.labels[i]
         wh = np.array(lb["shape"][::-1], np.float32)
         rects = list(box_corners(xywh2xyxy(lb["bboxes"]))) if self.task == "segment" else []
         boxes = xywh2xyxy(torch.from_numpy(lb["bboxes"] * np.tile(wh, 2)))
         cls, polygons = torch.from_numpy(lb["cls"]), [s * wh for s in lb["segments"] or rects]
-        return dict(cls=cls, boxes=boxes, polygons=polygons, orig_hw=lb["shape"])
+        return dict(cls=cls, boxes=boxes, polygons=polygons)
 
 
 def load_rgb(path: str) -> Image.Image:
