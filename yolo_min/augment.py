@@ -22,8 +22,7 @@ Piece = namedtuple("Piece", "index r ox oy clip")
 
 
 def affine_matrix(in_wh: tuple, out_wh: tuple, hyp: dict) -> tuple[np.ndarray, float]:
-    """yolov5's random T @ S @ R @ P @ C from the recipe: a 3x3 matrix from canvas pixels (x, y, 1)
-    to output pixels, and its scale. in_wh, out_wh: (width, height) of the canvas and the output."""
+    """yolov5's random T @ S @ R @ P @ C -> (3x3: canvas (in_wh) to output (out_wh) px, scale)."""
     p, deg, sh, tr = hyp["perspective"], hyp["degrees"], hyp["shear"], hyp["translate"]
     C, P, S, T = np.eye(3), np.eye(3), np.eye(3), np.eye(3)
     C[0, 2], C[1, 2] = -in_wh[0] / 2, -in_wh[1] / 2  # canvas centre to the origin
@@ -103,12 +102,10 @@ def place_labels(pieces: list, labels: list, M: np.ndarray, sc: float, out_wh: t
     polygons (None: a box). A polygon: NPTS points clamped to its piece, its box the extent of those
     in the output; a box: its clipped corners. sc: the affine's scale; shifts: render's."""
     W, H = out_wh
-    # per piece: cls, box before (canvas), box after (output), has-polygon; first: no rows at all
+    # per piece: cls, box before (canvas), box after (output), has-polygon; first: float64, no rows
     empty = (np.zeros(0, np.int64), np.zeros((0, 4)), np.zeros((0, 4)), np.zeros(0, bool))
     out, polys = [empty], []
     for p, lb, (dx, dy) in zip(pieces, labels, shifts):
-        if not len(lb["cls"]):
-            continue
         (h0, w0), seg = lb["shape"], len(lb["segments"]) > 0
         pts = resample(lb["segments"]) if seg else box_corners(xywh2xyxy(lb["bboxes"]))
         x = np.clip(pts[..., 0] * (w0 * p.r) + p.ox + dx, p.clip[0], p.clip[2])

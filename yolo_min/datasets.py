@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 import os
 import random
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +18,7 @@ from torchvision.transforms import v2
 
 from . import shapes
 from .augment import Piece, affine_matrix, hsv_jitter, overlap_mask, place_labels, render
-from .labels import CORRUPT, MAX_WARNINGS, DataError, list_images, load_labels, verify
+from .labels import CORRUPT, MAX_WARNINGS, DataError, list_images, load_labels, thread_map, verify
 from .ops import box_corners, xywh2xyxy, xyxy2xywh
 
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # RGB, pixels in [0, 1]
@@ -137,9 +136,8 @@ class YOLODataset(Dataset):
             gb = f"needs {need / 1e9:.1f} GB, {free / 1e9:.1f} GB is available"
             raise DataError(f"{prefix}caching the images in RAM {gb}: use --cache off")
         if cache == "ram":  # forked workers share these pages
-            args = range(len(self)), *self._dims.T, self._dims[:, 0] / hw[:, 1]  # i, w, h, scale
-            with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:  # PIL decodes without GIL
-                self._ram = list(pool.map(self._decode, *args))
+            scales, wh = self._dims[:, 0] / hw[:, 1], self._dims.tolist()
+            self._ram = [im for im, _ in thread_map(self.load_image, range(len(self)), scales, wh)]
             if verbose:
                 print(f"{prefix}{len(self)} images cached in RAM ({size / 1e6:.0f} MB)", flush=True)
 
@@ -151,24 +149,22 @@ class YOLODataset(Dataset):
     def __len__(self) -> int:
         return len(self.im_files)
 
-    def load_image(self, i: int, scale: float = 1.0) -> tuple[torch.Tensor, tuple]:
-        """Image i, uint8 (h,w,3) RGB at >= scale x its size (RAM or JPEG draft), and (sx, sy)."""
-        im = self._ram[i] if self._ram else self._decode(i, scale=scale)
-        (h0, w0), (h, w) = self.labels[i]["shape"], im.shape[:2]
-        return torch.from_numpy(im), (w / w0, h / h0)
-
-    def _decode(self, i: int, w: int = 0, h: int = 0, scale: float = 1.0) -> np.ndarray:
-        """Image i drafted at >= scale x its size (JPEG), resized to (w, h) if given."""
-        f = self.im_files[i]
+    def load_image(self, i: int, scale: float = 1.0, wh=None) -> tuple[torch.Tensor, tuple]:
+        """Image i, uint8 (h,w,3) RGB: cached, else at >= scale x its size (JPEG draft) and resized
+        to wh (w, h) if given; and its (sx, sy) scale."""
+        f, (h0, w0) = self.im_files[i], self.labels[i]["shape"]
+        if self._ram:
+            return self._ram[i], (self._ram[i].shape[1] / w0, self._ram[i].shape[0] / h0)
         try:
             im = Image.open(f)
             if scale < 1:
                 im.draft("RGB", (math.ceil(im.width * scale), math.ceil(im.height * scale)))
             im = ImageOps.exif_transpose(im) if im.getexif().get(0x0112, 1) != 1 else im
             im = im if im.mode == "RGB" else im.convert("RGB")
-            return np.array(im.resize((int(w), int(h)), Image.Resampling.BILINEAR) if w else im)
+            im = im.resize(wh, Image.Resampling.BILINEAR) if wh else im
         except Exception as e:
             raise DataError(f"{f}: unreadable now ({e}); it changed after verification") from e
+        return torch.from_numpy(np.array(im)), (im.width / w0, im.height / h0)
 
     def _pieces(self, i: int, mosaic: bool) -> tuple[list, tuple]:
         """-> (pieces, canvas (w, h)): a mosaic of 4 around a random centre, or i letterboxed."""
@@ -224,14 +220,13 @@ class YOLODataset(Dataset):
 
     def ground_truth(self, i: int) -> dict:
         """Labels of image i in ORIGINAL pixels: cls (n,) int64, boxes (n,4) xyxy float32, polygons
-        [(k,2) float32] (rectangles of box rows for segment data; [] for detect data), orig_hw."""
+        [(k,2) float32] (rectangles of box rows for segment data; [] for detect data)."""
         lb = self.labels[i]
         wh = np.array(lb["shape"][::-1], np.float32)
         rects = list(box_corners(xywh2xyxy(lb["bboxes"]))) if self.task == "segment" else []
-        segs = lb["segments"] or rects
         boxes = xywh2xyxy(torch.from_numpy(lb["bboxes"] * np.tile(wh, 2)))
-        cls = torch.as_tensor(lb["cls"], dtype=torch.int64)
-        return dict(cls=cls, boxes=boxes, polygons=[s * wh for s in segs], orig_hw=lb["shape"])
+        cls, polygons = torch.from_numpy(lb["cls"]), [s * wh for s in lb["segments"] or rects]
+        return dict(cls=cls, boxes=boxes, polygons=polygons)
 
 
 def load_rgb(path: str) -> Image.Image:
@@ -255,8 +250,7 @@ class ClassifyDataset(ImageFolder):
         train = [v2.RandomResizedCrop(imgsz), v2.RandomHorizontalFlip(0.5), jitter]  # yolov5's
         steps = train if augment else [center_square, v2.Resize((imgsz, imgsz))]
         self.transform = v2.Compose([*steps, v2.PILToTensor()])
-        with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:  # PIL decodes without GIL
-            checks = list(pool.map(lambda s: verify(s[0], ""), self.samples))  # no label file
+        checks = thread_map(lambda s: verify(s[0], ""), self.samples)  # no label file
         self.samples = [s for s, c in zip(self.samples, checks) if c[0] != CORRUPT]
         self.imgs, self.targets = self.samples, [k for _, k in self.samples]
         self.stats = dict(images=len(checks), corrupt=len(checks) - len(self.samples))
@@ -280,14 +274,14 @@ class ClassifyDataset(ImageFolder):
 
 def collate(samples: list[dict]) -> dict:
     """Samples -> batch: images uint8 (bs,3,H,W); targets float32 (N,6) [image, cls, cx, cy, w, h]
-    (classify: int64 (bs,2)); masks float32 (bs,H/4,W/4) or None; paths; shapes; indices (bs,)."""
+    (classify: int64 (bs,2)); masks float32 (bs,H/4,W/4) or None; shapes; indices (bs,)."""
     images = torch.stack([s["image"] for s in samples])
     targets = torch.cat([F.pad(s["targets"], (1, 0), value=k) for k, s in enumerate(samples)])
     masks = [s["masks"] for s in samples]
     masks = None if masks[0] is None else torch.stack(masks).float()
     indices = torch.tensor([s["index"] for s in samples], dtype=torch.int64)
-    lists = {f"{k}s": [s[k] for s in samples] for k in ("path", "shape")}  # paths, shapes
-    return dict(images=images, targets=targets, masks=masks, indices=indices, **lists)
+    shapes = [s["shape"] for s in samples]
+    return dict(images=images, targets=targets, masks=masks, indices=indices, shapes=shapes)
 
 
 def shard_batches(n: int, batch_size: int, rank: int = 0, world_size: int = 1) -> list[list[int]]:

@@ -3,6 +3,7 @@ Bad input never crashes and is never silent: one warning per problem (file and l
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -34,6 +35,12 @@ SUMMARY = (
 
 class DataError(ValueError):
     """A dataset problem that stops the run: the message is one actionable line."""
+
+
+def thread_map(fn, *iterables) -> list:
+    """list(map(fn, *iterables)) on up to 8 threads: PIL decodes without holding the GIL."""
+    with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
+        return list(pool.map(fn, *iterables))
 
 
 def img2label_path(f: str) -> str:
@@ -69,19 +76,16 @@ def list_images(sources, prefix: str = "", verbose: bool = True) -> list[str]:
 
 
 def parse_labels(text: str, where: str, nc: int | None = None) -> tuple[list, list, int, int]:
-    """Label file text -> (rows [(cls, [cx, cy, w, h], (k,2) or None)], msgs, dropped, fixed). Row:
+    """Label file text -> (rows [(cls, [cx, cy, w, h], polygon (k,2))], msgs, dropped, fixed). Row:
     `cls cx cy w h` or `cls x1 y1 x2 y2 x3 y3 ...` (a polygon, its box its extent) in [0, 1]. A file
-    with both has its box rows made rectangles: all rows or none have a polygon."""
+    with both has its box rows made rectangles: all rows or none have a polygon (else k = 0)."""
     rows, seen, msgs, dropped, fixed = [], {}, [], 0, 0
     for ln, line in enumerate(text.splitlines(), 1):
-        parts, why = line.split(), None
-        if not parts:
+        if not (parts := line.split()):
             continue
-        n = len(parts)
-        try:
+        n, why, v = len(parts), None, None
+        with contextlib.suppress(ValueError):  # v stays None
             v = np.array([float(x) for x in parts])
-        except ValueError:
-            v = None
         if n < 5:
             why = f"{n} values; a row is 'cls cx cy w h' or 'cls x1 y1 x2 y2 x3 y3 ...'"
         elif n > 5 and n % 2 == 0:
@@ -116,10 +120,10 @@ def parse_labels(text: str, where: str, nc: int | None = None) -> tuple[list, li
             continue
         seen[tuple(v)] = ln
         box = [(x0 + x1) / 2, (y0 + y1) / 2, x1 - x0, y1 - y0]
-        rows.append((int(v[0]), box, pts if n > 5 else None))
-    if len({p is None for _, _, p in rows}) == 2:
+        rows.append((int(v[0]), box, pts if n > 5 else np.zeros((0, 2))))
+    if len({len(p) > 0 for _, _, p in rows}) == 2:
         msgs.append(f"{where}: mixes box rows and polygon rows; boxes are used as rectangles")
-        rows = [(c, b, box_corners(xywh2xyxy(np.array(b))) if p is None else p) for c, b, p in rows]
+        rows = [(c, b, p if len(p) else box_corners(xywh2xyxy(np.array(b)))) for c, b, p in rows]
     return rows, msgs, dropped, fixed
 
 
@@ -161,18 +165,16 @@ def verify(im_file: str, lb_file: str, nc: int | None = None) -> tuple:
 
 def _verify_all(files: list, lb_files: list, nc) -> dict:
     """Verify every pair -> lists per file, flat tensors per row (weights_only-loadable)."""
-    with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as ex:
-        res = list(ex.map(lambda a: verify(*a, nc), zip(files, lb_files)))
+    res = thread_map(verify, files, lb_files, [nc] * len(files))
     status, shapes, file_rows, file_msgs, dropped, fixed = zip(*res)
     cls, boxes, polys = list(zip(*[row for r in file_rows for row in r])) or [(), (), ()]
-    pts = [p for p in polys if p is not None] + [np.zeros((0, 2))]
     no_dir = sorted({os.path.dirname(lb) for s, lb in zip(status, lb_files) if s == MISSING})
     bg = "does not exist: its images are used as background"
     msgs = [m for ms in file_msgs for m in ms]
     msgs += [f"labels folder {d} {bg}" for d in no_dir if not os.path.isdir(d)]
     boxes = torch.from_numpy(np.array(boxes, np.float32).reshape(-1, 4))
-    pts = torch.from_numpy(np.concatenate(pts).astype(np.float32))
-    npts = [0 if p is None else len(p) for p in polys]
+    pts = torch.from_numpy(np.concatenate([*polys, np.zeros((0, 2))]).astype(np.float32))
+    npts = [len(p) for p in polys]
     per_file = dict(status=list(status), shapes=list(shapes), nrows=[len(r) for r in file_rows])
     per_row = dict(cls=torch.tensor(cls, dtype=torch.int64), boxes=boxes, npts=npts, pts=pts)
     return per_file | per_row | dict(msgs=msgs, dropped=sum(dropped), fixed=sum(fixed))
@@ -186,12 +188,10 @@ def _load_or_build(files: list, nc, prefix: str, verbose: bool) -> dict:
         s = os.stat(f) if os.path.exists(f) else None
         h.update(f"{f}|{s and (s.st_size, s.st_mtime_ns, s.st_mode)}\n".encode())
     key, path = h.hexdigest(), Path(os.path.dirname(lb_files[0]) + ".cache")
-    try:
+    with contextlib.suppress(Exception):  # absent, another format or damaged: verify again
         data = torch.load(path, weights_only=True)  # tensors, lists, numbers, strings: no code
         if data["key"] == key:
             return data
-    except Exception:  # absent, another format or damaged: verify again
-        pass
     data = dict(_verify_all(files, lb_files, nc), key=key)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # written whole, then renamed
     try:
