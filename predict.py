@@ -1,6 +1,5 @@
-"""Predict boxes (and masks), or a classifier's top 5, as yolov5's detect.py and predict.py do:
-`python predict.py --weights best.pt --source images/` (torchrun shares the files), `run(...)` or
-`predict(model, images)` (the results; `draw(result)` pictures one). Writes runs/predict/exp."""
+"""Boxes (and masks), or a classifier's top 5, as yolov5's detect.py: `python predict.py --weights
+best.pt --source images/` (torchrun shares the files), `run(...)`, or `predict()` and `draw()`."""
 
 from __future__ import annotations
 
@@ -84,9 +83,8 @@ def by_shape(samples, batch_size: int):
     pending = {}
     for s in samples:
         shape = tuple(s["input"].shape) if "input" in s else None
-        group = pending.setdefault(shape, [])
-        group.append(s)
-        if len(group) == batch_size or shape is None:
+        pending.setdefault(shape, []).append(s)
+        if len(pending[shape]) == batch_size or shape is None:
             yield pending.pop(shape)
     yield from pending.values()
 
@@ -107,7 +105,6 @@ def stream(model, images, imgsz=640, batch_size=1, workers=0, polygons=False, am
         x = torch.stack([s["input"] for s in group])
         dets, protos, seconds = infer(model, x, PREDICT_NMS | nms, amp)
         dets = dets.softmax(1).cpu() if classify else dets
-        protos = [None] * len(group) if protos is None else protos
         for s, det, proto in zip(group, dets, protos):
             res = dict(index=s["index"], path=s["path"], image=s["image"], names=model.names)
             out = dict(probs=det) if classify else to_original(det, proto, s, x.shape[2:], polygons)
@@ -161,15 +158,13 @@ def label_lines(result: dict, conf: bool) -> str:
     if "probs" in result:
         return "".join(f"{p:.2f} {result['names'][c]}\n" for c, p in top5(result))
     h, w = result["image"].shape[:2]
-    boxes, lines = result["boxes"].numpy(), []
-    for k in reversed(range(len(boxes))):
-        shape = ops.xyxy2xywh(boxes[k, :4]) / [w, h, w, h]
-        if result["masks"] is not None:  # an empty mask: its box's corners
-            poly = result["polygons"][k]
-            shape = (poly if len(poly) else ops.box_corners(boxes[k, :4])) / [w, h]
-        values = [boxes[k, 5], *shape.ravel(), *(boxes[k, 4:5] if conf else [])]
-        lines.append(" ".join(f"{v:g}" for v in values) + "\n")
-    return "".join(lines)
+    boxes = result["boxes"].numpy()
+    shapes = ops.xyxy2xywh(boxes[:, :4]) / [w, h, w, h]
+    if result["masks"] is not None:  # an empty mask: its box's corners
+        polygons = zip(result["polygons"], ops.box_corners(boxes[:, :4]))
+        shapes = [(poly if len(poly) else corners) / [w, h] for poly, corners in polygons]
+    rows = [[b[5], *shape.ravel(), *(b[4:5] if conf else [])] for b, shape in zip(boxes, shapes)]
+    return "".join(" ".join(f"{v:g}" for v in row) + "\n" for row in reversed(rows))
 
 
 def json_entry(result: dict) -> dict:

@@ -89,10 +89,9 @@ def evaluate(
             losses = F.cross_entropy(logits, labels, reduction="none")
             records += metrics.class_records(batch["indices"], logits, labels, losses)
             continue
-        for j, det in enumerate(dets):
-            index, proto = int(batch["indices"][j]), None if protos is None else protos[j]
-            shape, hw = batch["shapes"][j], batch["images"].shape[2:]
-            records.append(score_image(dataset, index, det, shape, hw, proto, cat_ids))
+        hw = batch["images"].shape[2:]
+        for i, det, shape, proto in zip(batch["indices"].tolist(), dets, batch["shapes"], protos):
+            records.append(score_image(dataset, i, det, shape, hw, proto, cat_ids))
         if plots_dir is not None and bi < 3 and dist.is_main():
             plot_batch(batch, dets, protos, Path(plots_dir) / f"val_batch{bi}", model.names)
     records = metrics.merge_records(dist.all_gather_object(records))
@@ -107,7 +106,7 @@ def evaluate(
 
 def infer(model, images: torch.Tensor, nms: dict, amp=None) -> tuple:
     """An eval-mode Model on uint8 images (bs, 3, H, W) -> (float logits (bs, nc) of a classifier,
-    else NMS's detections per image; prototypes (bs, nm, H/4, W/4) or None; seconds by STAGES)."""
+    else NMS's detections per image; each image's prototypes (nm, H/4, W/4) or None; seconds)."""
     device, classify = next(model.parameters()).device, model.task == "classify"
     nm = model.head.nm if model.task == "segment" else 0
     t0 = now(device)
@@ -115,7 +114,7 @@ def infer(model, images: torch.Tensor, nms: dict, amp=None) -> tuple:
     t1 = now(device)
     with torch.autocast(device.type, amp, enabled=amp is not None):
         out = model(x)
-    preds, protos = out if nm else (out, None)
+    preds, protos = out if nm else (out, [None] * len(x))
     t2 = now(device)
     dets = preds.float() if classify else ops.non_max_suppression(preds.float(), nm=nm, **nms)
     return dets, protos, np.array([t1 - t0, t2 - t1, now(device) - t2])
@@ -139,7 +138,7 @@ def plot_batch(batch: dict, dets: list, protos, prefix: Path, names: list) -> No
     images, kw = batch["images"], dict(names=names)
     draw_batch(images, batch["targets"], batch["masks"], fname=f"{prefix}_labels.jpg", **kw)
     preds = [d[d[:, 4] >= 0.25] for d in dets]
-    if protos is not None:
+    if protos[0] is not None:
         hw = images.shape[2:]
         kw["masks"] = [ops.process_mask(q, p[:, 6:], p[:, :4], hw) for q, p in zip(protos, preds)]
     draw_batch(images, preds=preds, fname=f"{prefix}_pred.jpg", **kw)

@@ -48,8 +48,8 @@ def merge_records(parts: list[list[dict]]) -> list[dict]:
 
 
 def ap_per_class(tp: np.ndarray, conf, pred_cls, classes, n_gt) -> dict:
-    """COCO AP of all detections tp (N, T), conf (N,), pred_cls (N,) (by dataset index) -> for the K
-    classes (with n_gt instances) "P", "R" (K,) at the max-mean-F1 conf, "mAP50", "mAP50-95" (K, T)."""
+    """COCO AP of all detections tp (N, T), conf (N,), pred_cls (N,) (by dataset index) for classes
+    (K,) of n_gt (K,) instances -> "P", "R" at the max-mean-F1 conf, "mAP50", "mAP50-95" (K, T)."""
     ap = np.zeros((len(classes), tp.shape[1]))
     p_curve, r_curve = np.zeros((2, len(classes), len(CONF_GRID)))
     for ci, (c, npos) in enumerate(zip(classes, n_gt)):
@@ -67,9 +67,9 @@ def ap_per_class(tp: np.ndarray, conf, pred_cls, classes, n_gt) -> dict:
             ap[ci, ti] = q.mean()
         # P/R at IoU 0.5 as step functions of the confidence threshold (detections with conf >= x)
         n_above = np.searchsorted(-conf[order], -CONF_GRID, side="right")
-        tp_above = np.concatenate(([0.0], tpc[:, 0]))[n_above]
-        r_curve[ci] = tp_above / npos
-        p_curve[ci] = np.where(n_above > 0, tp_above / np.maximum(n_above, 1), 1.0)
+        last = np.maximum(n_above - 1, 0)
+        r_curve[ci] = np.where(n_above > 0, tpc[last, 0] / npos, 0.0)
+        p_curve[ci] = np.where(n_above > 0, tpc[last, 0] / np.maximum(n_above, 1), 1.0)
     f1 = 2 * p_curve * r_curve / (p_curve + r_curve + 1e-16)
     best = int(f1.mean(0).argmax()) if len(classes) else 0
     return {"P": p_curve[:, best], "R": r_curve[:, best], "mAP50": ap[:, 0], "mAP50-95": ap}
