@@ -1,6 +1,5 @@
-"""Validate a checkpoint: COCO-exact box (and mask) mAP, or top-1/5 accuracy. `python val.py
---weights best.pt --data coco128.yaml` (torchrun shards it) writes runs/val/exp/metrics.json (and
-predictions.json, COCO's results format); `evaluate` is also train.py's validation."""
+"""Validate a checkpoint: COCO-exact box (and mask) mAP, or top-1/5 accuracy: `python val.py
+--weights best.pt --data coco128.yaml` (torchrun shards it) or `evaluate` (for train.py)."""
 
 from __future__ import annotations
 
@@ -36,9 +35,8 @@ def preprocess(images: torch.Tensor, device: torch.device, normalize=False) -> t
 
 
 def score_image(dataset, index: int, det, shape, input_hw, protos=None, cat_ids=None) -> dict:
-    """metrics.image_record of det (n, 6+nm) [xyxy input pixels, conf, cls, coefs] against the
-    ground truth; shape (orig_hw, ratio_pad); protos (nm, H/4, W/4) for masks; record["json"]: with
-    cat_ids (a COCO category id per class) the detections in COCO's results format."""
+    """metrics.image_record of det (n, 6+nm) [xyxy input px, conf, cls, coefs], shape (orig_hw,
+    ratio_pad), protos (nm, H/4, W/4) or None; "json": COCO results if cat_ids (an id per class)."""
     gt, (orig_hw, ratio_pad) = dataset.ground_truth(index), shape
     boxes = ops.scale_boxes(det[:, :4], ratio_pad, orig_hw)
     gt_boxes = gt["boxes"].to(det.device, torch.float64)
@@ -73,9 +71,8 @@ def score_image(dataset, index: int, det, shape, input_hw, protos=None, cat_ids=
 def evaluate(
     model, loader, dataset, nms=VAL_NMS, plots_dir=None, save_json=None, coco_ids=False, amp=None
 ) -> dict:
-    """metrics.summarize(_classes)'s dict and "speed" (ms by STAGES) of this rank's shard; call it
-    on every rank. plots_dir: rank 0 draws 3 batches there; save_json: a path for COCO's results
-    (ids cls + 1, or COCO-91 with coco_ids); amp: autocast dtype (models.amp_dtype) or None."""
+    """metrics.summarize(_classes) of all ranks (call it on each) and "speed" (ms by STAGES); rank 0
+    draws 3 batches in plots_dir, writes COCO results to save_json (ids cls + 1, or COCO-91)."""
     model = de_parallel(model)
     was_training, classify = model.training, model.task == "classify"
     model.eval()

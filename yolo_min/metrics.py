@@ -14,9 +14,8 @@ KINDS = {"detect": ("box",), "segment": ("box", "mask"), "classify": ("class",)}
 
 
 def match_predictions(iou: np.ndarray, conf, pred_cls, gt_cls) -> np.ndarray:
-    """COCO's greedy matching of one image: numpy iou (n, m), conf (n,), pred_cls (n,), gt_cls (m,)
-    -> tp (n, T) bool. By descending score each detection takes the free ground truth of its class
-    with the highest IoU >= t (ties: the later one, as COCOeval)."""
+    """COCO's greedy matching: iou (n, m), conf (n,), pred_cls (n,), gt_cls (m,) -> tp (n, T) bool;
+    by descending conf, each takes its class's free ground truth of top IoU >= t (ties: last)."""
     thr, m = IOU_THRESHOLDS[:, None], iou.shape[1]
     tp = np.zeros((len(iou), len(thr)), dtype=bool)
     free, rows = np.ones((len(thr), m), dtype=bool), np.arange(len(thr))

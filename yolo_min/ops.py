@@ -1,5 +1,4 @@
-"""Box and mask helpers: formats, IoU, yolov5's NMS, letterboxed input -> original image, masks
-from prototypes, COCO-exact polygon rasterisation and RLE, contour tracing. Coordinates are pixels;
+"""Box and mask helpers (yolov5's NMS, COCO-exact rasterisation and RLE), coordinates in pixels;
 `ratio_pad` is a letterbox's ((ratio_h, ratio_w), (pad_w, pad_h)), `*_hw` are (height, width)."""
 
 from __future__ import annotations
