@@ -195,16 +195,6 @@ def save(result: dict, save_dir: Path, args) -> None:
         Image.fromarray(result["image"].numpy()).crop(box).save(crop)  # box: whole pixels
 
 
-def progress(results, n: int, show: bool):
-    """Yield the n results; when show, print images/s and the ETA every 10 seconds."""
-    t0 = last = time.time()
-    for i, r in enumerate(results, 1):
-        yield r
-        if show and time.time() - last > 10 and i < n:
-            last, rate = time.time(), i / (time.time() - t0)
-            print(f"{i}/{n} images  {rate:.1f} images/s  eta {(n - i) / rate:.0f}s", flush=True)
-
-
 def get_args_parser() -> argparse.ArgumentParser:
     p = base_parser("Predict boxes (and masks) on images", PREDICT_NMS, "runs/predict")
     p.add_argument("--source", required=True, help="image, folder, glob or .txt list of paths")
@@ -242,7 +232,12 @@ def main(args: argparse.Namespace) -> dict:
         mine = files[info.rank :: info.world_size]
         options = (args.imgsz, args.batch_size, args.workers, args.save_txt, amp)
         seen, skipped, n_det, speed, entries = 0, 0, 0, np.zeros(3), []
-        for r in progress(stream(model, mine, *options, **nms), len(mine), info.is_main):
+        t0 = last = time.time()
+        for i, r in enumerate(stream(model, mine, *options, **nms), 1):
+            if info.is_main and time.time() - last > 10 and i < len(mine):  # progress, every 10 s
+                last, rate = time.time(), i / (time.time() - t0)
+                eta = f"eta {(len(mine) - i) / rate:.0f}s"
+                print(f"{i}/{len(mine)} images  {rate:.1f} images/s  {eta}", flush=True)
             if "error" in r:
                 print(f"WARNING {r['path']}: unreadable, skipped ({r['error']})", flush=True)
                 skipped += 1

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -248,9 +247,8 @@ def cli(main, parser: argparse.ArgumentParser) -> None:
     try:
         main(parser.parse_args())
     except (ValueError, OSError) as e:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"{parser.prog}: error: {str(e).splitlines()[0]}", file=sys.stderr)
-        sys.exit(2)
+        why = f"{parser.prog}: error: {str(e).splitlines()[0]}\n"
+        parser.exit(2, why if int(os.environ.get("RANK", "0")) == 0 else None)  # printed once
 
 
 if __name__ == "__main__":

@@ -125,8 +125,7 @@ def summarize_classes(records: list[dict]) -> dict:
     rows = [{"class": int(c), "images": int((labels == c).sum())} for c in np.unique(labels)]
     metrics = accuracy(hits) | {"val_loss": float(np.mean([r["loss"] for r in records] or [0]))}
     rows = [row | accuracy(hits[labels == row["class"]]) for row in rows]
-    out = {"metrics": metrics, "fitness": metrics["top1_acc"], "images": len(records)}
-    return out | {"per_class": rows}
+    return dict(metrics=metrics, fitness=metrics["top1_acc"], images=len(records), per_class=rows)
 
 
 def fitness(metrics: dict) -> float:

@@ -116,8 +116,8 @@ def polygons_to_masks(polygons: list, hw: tuple[int, int]) -> torch.Tensor:
         if keep.any():  # toggles in column-major order, parity fills; columns lo..hi only
             col, row = col[keep].astype(np.int64), row[keep].astype(np.int64)
             lo, hi = col.min(), col.max() + 1
-            size = (hi - lo) * h
-            toggles = np.bincount((col - lo) * h + row, minlength=size + 1)[:size]
+            # row h: below the image; its toggles are dropped
+            toggles = np.bincount((col - lo) * h + row, minlength=(hi - lo) * h + 1)[:-1]
             out[i, :, lo:hi] = (np.cumsum(toggles) % 2 == 1).reshape(hi - lo, h).T
     return torch.from_numpy(out)
 
@@ -169,8 +169,7 @@ def mask_iou(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def rle_encode(mask: torch.Tensor | np.ndarray) -> dict:
     """COCO's compressed RLE of one (h, w) bool mask: {"size": [h, w], "counts": str}."""
-    m = np.asarray(mask.cpu() if isinstance(mask, torch.Tensor) else mask, dtype=bool)
-    flat = m.T.reshape(-1)
+    flat = np.asarray(mask.cpu() if isinstance(mask, torch.Tensor) else mask, dtype=bool).T.ravel()
     starts = np.flatnonzero(np.diff(flat, prepend=False))  # of runs, the first one of zeros
     counts = np.diff(np.concatenate(([0], starts, [flat.size]))).tolist()
     chars = []
@@ -181,4 +180,4 @@ def rle_encode(mask: torch.Tensor | np.ndarray) -> dict:
             c, x = x & 0x1F, x >> 5
             more = x != -1 if c & 0x10 else x != 0
             chars.append(chr(c + 0x20 * more + 48))
-    return {"size": [int(m.shape[0]), int(m.shape[1])], "counts": "".join(chars)}
+    return {"size": [int(n) for n in mask.shape], "counts": "".join(chars)}
