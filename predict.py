@@ -224,12 +224,11 @@ def main(args: argparse.Namespace) -> dict:
             nc = f"{args.weights} has classes 0 to {model.nc - 1}"
             raise ValueError(f"--classes {' '.join(map(str, args.classes))}: {nc}")
         args.imgsz = make_divisible(args.imgsz, int(model.stride.max()))
-        files = find_images(args.source)
+        mine = find_images(args.source)[info.rank :: info.world_size]  # this rank's share
         save_dir = dist.run_on_main(next_run_dir, args.project, args.name, args.exist_ok)
         (save_dir / "labels" if args.save_txt else save_dir).mkdir(parents=True, exist_ok=True)
         nms = dict(conf_thres=args.conf_thres, iou_thres=args.iou_thres, max_det=args.max_det)
         nms |= dict(classes=args.classes, agnostic=args.agnostic_nms)
-        mine = files[info.rank :: info.world_size]
         options = (args.imgsz, args.batch_size, args.workers, args.save_txt, amp)
         seen, skipped, n_det, speed, entries = 0, 0, 0, np.zeros(3), []
         t0 = last = time.time()

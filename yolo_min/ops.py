@@ -131,16 +131,15 @@ def trace_border(m: np.ndarray, start: int) -> tuple[np.ndarray, np.ndarray]:
     of a zero-framed bool mask -> its pixels (k, 2) [x, y] clockwise, each one's NEIGHBOURS step."""
     flat, w = m.ravel(), m.shape[1]
     steps = [dy * w + dx for dy, dx in NEIGHBOURS]
-    p, d, points, dirs = start, 4, [], []  # the search starts at the west, known background
+    p, d, path = start, 4, []  # (pixel, its step); the search starts at the west, background
     while True:
         nd = next(((d + k) % 8 for k in range(8) if flat[p + steps[(d + k) % 8]]), None)
-        if nd is None or (dirs and nd == dirs[0] and p == start):  # leaving the start again
+        if nd is None or (path and path[0] == (p, nd)):  # leaving the start again
             break
-        points.append(p)
-        dirs.append(nd)
+        path.append((p, nd))
         p, d = p + steps[nd], (nd + 6 - nd % 2) % 8  # from the last background neighbour seen
-    points = np.array(points or [start])
-    return np.stack([points % w, points // w], 1), np.array(dirs or [0])
+    points, dirs = np.array(path or [(start, 0)]).T
+    return np.stack([points % w, points // w], 1), dirs
 
 
 def mask_to_polygon(mask: torch.Tensor | np.ndarray) -> np.ndarray:
