@@ -32,11 +32,9 @@ def find_images(source: str) -> list[str]:
     path = Path(source)
     if path.suffix == ".txt" and path.is_file():
         files = [line.strip() for line in path.read_text().splitlines() if line.strip()]
-    elif path.is_file():
-        files = [source]
-    else:  # a folder's files, or a glob's
+    else:  # the file, a folder's files, or a glob's
         pattern = str(Path(glob.escape(source)) / "*") if path.is_dir() else source
-        files = sorted(glob.glob(pattern, recursive=True))
+        files = [source] if path.is_file() else sorted(glob.glob(pattern, recursive=True))
     if not (files := [f for f in files if f.rpartition(".")[2].lower() in IMG_FORMATS]):
         why = f"no images ({', '.join(IMG_FORMATS)})" if path.exists() else "not found"
         raise DataError(f"--source {source}: {why}")
