@@ -8,7 +8,6 @@ import numpy as np
 IOU_THRESHOLDS = np.linspace(0.5, 0.95, 10)  # float64, bit-equal to COCOeval's iouThrs
 RECALL_POINTS = np.linspace(0.0, 1.0, 101)  # COCOeval's recThrs
 CONF_GRID = np.linspace(0.0, 1.0, 1000)  # confidences scanned for the max-mean-F1 point
-EPS = np.spacing(1)
 SUFFIX = {"box": "B", "mask": "M"}  # metric names: "mAP50(B)", "mAP50-95(M)", ...
 KINDS = {"detect": ("box",), "segment": ("box", "mask"), "classify": ("class",)}  # what it scores
 
@@ -58,7 +57,7 @@ def ap_per_class(tp: np.ndarray, conf, pred_cls, classes, n_gt) -> dict:
         order = sel[np.argsort(-conf[sel], kind="mergesort")]  # stable, as COCOeval
         tpc = np.cumsum(tp[order], 0).astype(np.float64)
         n_seen = np.arange(1.0, len(order) + 1)[:, None]  # true + false positives so far
-        recall, precision = tpc / npos, tpc / (n_seen + EPS)
+        recall, precision = tpc / npos, tpc / (n_seen + np.spacing(1))
         envelope = np.maximum.accumulate(precision[::-1], 0)[::-1]
         for ti in range(tp.shape[1]):
             idx = np.searchsorted(recall[:, ti], RECALL_POINTS, side="left")
