@@ -122,15 +122,12 @@ def polygons_to_masks(polygons: list, hw: tuple[int, int]) -> torch.Tensor:
     return torch.from_numpy(out)
 
 
-# the 8 neighbours (dy, dx) of a pixel, clockwise from the east (rows grow downwards)
-NEIGHBOURS = ((0, 1), (1, 1), (1, 0), (1, -1), (0, -1), (-1, -1), (-1, 0), (-1, 1))
-
-
 def trace_border(m: np.ndarray, start: int) -> tuple[np.ndarray, np.ndarray]:
     """Moore-neighbour trace of the outer border of the 8-connected component at flat index `start`
-    of a zero-framed bool mask -> its pixels (k, 2) [x, y] clockwise, each one's NEIGHBOURS step."""
+    of a zero-framed bool mask -> its pixels (k, 2) [x, y] clockwise, each one's step (0-7)."""
     flat, w = m.ravel(), m.shape[1]
-    steps = [dy * w + dx for dy, dx in NEIGHBOURS]
+    # the 8 neighbours' flat offsets, clockwise from the east: E, SE, S, SW, W, NW, N, NE
+    steps = [1, w + 1, w, w - 1, -1, -w - 1, -w, -w + 1]
     p, d, path = start, 4, []  # (pixel, its step); the search starts at the west, background
     while True:
         nd = next(((d + k) % 8 for k in range(8) if flat[p + steps[(d + k) % 8]]), None)
