@@ -1,6 +1,5 @@
-"""Predict boxes (and masks), or a classifier's top 5, as yolov5's detect.py and predict.py do:
-`python predict.py --weights best.pt --source images/` (torchrun shares the files), `run(...)` or
-`predict(model, images)` (the results; `draw(result)` pictures one). Writes runs/predict/exp."""
+"""Boxes (and masks), or a classifier's top 5, as yolov5's detect.py: `python predict.py --weights
+best.pt --source images/` (torchrun shares the files), `run(...)`, or `predict()` and `draw()`."""
 
 from __future__ import annotations
 
@@ -33,11 +32,9 @@ def find_images(source: str) -> list[str]:
     path = Path(source)
     if path.suffix == ".txt" and path.is_file():
         files = [line.strip() for line in path.read_text().splitlines() if line.strip()]
-    elif path.is_file():
-        files = [source]
-    else:  # a folder's files, or a glob's
+    else:  # the file, a folder's files, or a glob's
         pattern = str(Path(glob.escape(source)) / "*") if path.is_dir() else source
-        files = sorted(glob.glob(pattern, recursive=True))
+        files = [source] if path.is_file() else sorted(glob.glob(pattern, recursive=True))
     if not (files := [f for f in files if f.rpartition(".")[2].lower() in IMG_FORMATS]):
         why = f"no images ({', '.join(IMG_FORMATS)})" if path.exists() else "not found"
         raise DataError(f"--source {source}: {why}")
@@ -84,9 +81,8 @@ def by_shape(samples, batch_size: int):
     pending = {}
     for s in samples:
         shape = tuple(s["input"].shape) if "input" in s else None
-        group = pending.setdefault(shape, [])
-        group.append(s)
-        if len(group) == batch_size or shape is None:
+        pending.setdefault(shape, []).append(s)
+        if len(pending[shape]) == batch_size or shape is None:
             yield pending.pop(shape)
     yield from pending.values()
 
@@ -107,7 +103,6 @@ def stream(model, images, imgsz=640, batch_size=1, workers=0, polygons=False, am
         x = torch.stack([s["input"] for s in group])
         dets, protos, seconds = infer(model, x, PREDICT_NMS | nms, amp)
         dets = dets.softmax(1).cpu() if classify else dets
-        protos = [None] * len(group) if protos is None else protos
         for s, det, proto in zip(group, dets, protos):
             res = dict(index=s["index"], path=s["path"], image=s["image"], names=model.names)
             out = dict(probs=det) if classify else to_original(det, proto, s, x.shape[2:], polygons)
@@ -161,15 +156,13 @@ def label_lines(result: dict, conf: bool) -> str:
     if "probs" in result:
         return "".join(f"{p:.2f} {result['names'][c]}\n" for c, p in top5(result))
     h, w = result["image"].shape[:2]
-    boxes, lines = result["boxes"].numpy(), []
-    for k in reversed(range(len(boxes))):
-        shape = ops.xyxy2xywh(boxes[k, :4]) / [w, h, w, h]
-        if result["masks"] is not None:  # an empty mask: its box's corners
-            poly = result["polygons"][k]
-            shape = (poly if len(poly) else ops.box_corners(boxes[k, :4])) / [w, h]
-        values = [boxes[k, 5], *shape.ravel(), *(boxes[k, 4:5] if conf else [])]
-        lines.append(" ".join(f"{v:g}" for v in values) + "\n")
-    return "".join(lines)
+    boxes = result["boxes"].numpy()
+    shapes = ops.xyxy2xywh(boxes[:, :4]) / [w, h, w, h]
+    if result["masks"] is not None:  # an empty mask: its box's corners
+        polygons = zip(result["polygons"], ops.box_corners(boxes[:, :4]))
+        shapes = [(poly if len(poly) else corners) / [w, h] for poly, corners in polygons]
+    rows = [[b[5], *shape.ravel(), *(b[4:5] if conf else [])] for b, shape in zip(boxes, shapes)]
+    return "".join(" ".join(f"{v:g}" for v in row) + "\n" for row in reversed(rows))
 
 
 def json_entry(result: dict) -> dict:
@@ -198,16 +191,6 @@ def save(result: dict, save_dir: Path, args) -> None:
         crop = save_dir / "crops" / result["names"][int(c)] / f"{path.stem}_{k}.jpg"
         crop.parent.mkdir(parents=True, exist_ok=True)
         Image.fromarray(result["image"].numpy()).crop(box).save(crop)  # box: whole pixels
-
-
-def progress(results, n: int, show: bool):
-    """Yield the n results; when show, print images/s and the ETA every 10 seconds."""
-    t0 = last = time.time()
-    for i, r in enumerate(results, 1):
-        yield r
-        if show and time.time() - last > 10 and i < n:
-            last, rate = time.time(), i / (time.time() - t0)
-            print(f"{i}/{n} images  {rate:.1f} images/s  eta {(n - i) / rate:.0f}s", flush=True)
 
 
 def get_args_parser() -> argparse.ArgumentParser:
@@ -239,15 +222,19 @@ def main(args: argparse.Namespace) -> dict:
             nc = f"{args.weights} has classes 0 to {model.nc - 1}"
             raise ValueError(f"--classes {' '.join(map(str, args.classes))}: {nc}")
         args.imgsz = make_divisible(args.imgsz, int(model.stride.max()))
-        files = find_images(args.source)
+        mine = find_images(args.source)[info.rank :: info.world_size]  # this rank's share
         save_dir = dist.run_on_main(next_run_dir, args.project, args.name, args.exist_ok)
         (save_dir / "labels" if args.save_txt else save_dir).mkdir(parents=True, exist_ok=True)
         nms = dict(conf_thres=args.conf_thres, iou_thres=args.iou_thres, max_det=args.max_det)
         nms |= dict(classes=args.classes, agnostic=args.agnostic_nms)
-        mine = files[info.rank :: info.world_size]
         options = (args.imgsz, args.batch_size, args.workers, args.save_txt, amp)
         seen, skipped, n_det, speed, entries = 0, 0, 0, np.zeros(3), []
-        for r in progress(stream(model, mine, *options, **nms), len(mine), info.is_main):
+        t0 = last = time.time()
+        for i, r in enumerate(stream(model, mine, *options, **nms), 1):
+            if info.is_main and time.time() - last > 10 and i < len(mine):  # progress, every 10 s
+                last, rate = time.time(), i / (time.time() - t0)
+                eta = f"eta {(len(mine) - i) / rate:.0f}s"
+                print(f"{i}/{len(mine)} images  {rate:.1f} images/s  {eta}", flush=True)
             if "error" in r:
                 print(f"WARNING {r['path']}: unreadable, skipped ({r['error']})", flush=True)
                 skipped += 1

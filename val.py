@@ -1,13 +1,11 @@
-"""Validate a checkpoint: COCO-exact box (and mask) mAP, or top-1/5 accuracy. `python val.py
---weights best.pt --data coco128.yaml` (torchrun shards it) writes runs/val/exp/metrics.json (and
-predictions.json, COCO's results format); `evaluate` is also train.py's validation."""
+"""Validate a checkpoint: COCO-exact box (and mask) mAP, or top-1/5 accuracy: `python val.py
+--weights best.pt --data coco128.yaml` (torchrun shards it) or `evaluate` (for train.py)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -36,9 +34,8 @@ def preprocess(images: torch.Tensor, device: torch.device, normalize=False) -> t
 
 
 def score_image(dataset, index: int, det, shape, input_hw, protos=None, cat_ids=None) -> dict:
-    """metrics.image_record of det (n, 6+nm) [xyxy input pixels, conf, cls, coefs] against the
-    ground truth; shape (orig_hw, ratio_pad); protos (nm, H/4, W/4) for masks; record["json"]: with
-    cat_ids (a COCO category id per class) the detections in COCO's results format."""
+    """metrics.image_record of det (n, 6+nm) [xyxy input px, conf, cls, coefs], shape (orig_hw,
+    ratio_pad), protos (nm, H/4, W/4) or None; "json": COCO results if cat_ids (an id per class)."""
     gt, (orig_hw, ratio_pad) = dataset.ground_truth(index), shape
     boxes = ops.scale_boxes(det[:, :4], ratio_pad, orig_hw)
     gt_boxes = gt["boxes"].to(det.device, torch.float64)
@@ -73,9 +70,8 @@ def score_image(dataset, index: int, det, shape, input_hw, protos=None, cat_ids=
 def evaluate(
     model, loader, dataset, nms=VAL_NMS, plots_dir=None, save_json=None, coco_ids=False, amp=None
 ) -> dict:
-    """metrics.summarize(_classes)'s dict and "speed" (ms by STAGES) of this rank's shard; call it
-    on every rank. plots_dir: rank 0 draws 3 batches there; save_json: a path for COCO's results
-    (ids cls + 1, or COCO-91 with coco_ids); amp: autocast dtype (models.amp_dtype) or None."""
+    """metrics.summarize(_classes) of all ranks (call it on each) and "speed" (ms by STAGES); rank 0
+    draws 3 batches in plots_dir, writes COCO results to save_json (ids cls + 1, or COCO-91)."""
     model = de_parallel(model)
     was_training, classify = model.training, model.task == "classify"
     model.eval()
@@ -89,10 +85,9 @@ def evaluate(
             losses = F.cross_entropy(logits, labels, reduction="none")
             records += metrics.class_records(batch["indices"], logits, labels, losses)
             continue
-        for j, det in enumerate(dets):
-            index, proto = int(batch["indices"][j]), None if protos is None else protos[j]
-            shape, hw = batch["shapes"][j], batch["images"].shape[2:]
-            records.append(score_image(dataset, index, det, shape, hw, proto, cat_ids))
+        hw = batch["images"].shape[2:]
+        for i, det, shape, proto in zip(batch["indices"].tolist(), dets, batch["shapes"], protos):
+            records.append(score_image(dataset, i, det, shape, hw, proto, cat_ids))
         if plots_dir is not None and bi < 3 and dist.is_main():
             plot_batch(batch, dets, protos, Path(plots_dir) / f"val_batch{bi}", model.names)
     records = metrics.merge_records(dist.all_gather_object(records))
@@ -107,7 +102,7 @@ def evaluate(
 
 def infer(model, images: torch.Tensor, nms: dict, amp=None) -> tuple:
     """An eval-mode Model on uint8 images (bs, 3, H, W) -> (float logits (bs, nc) of a classifier,
-    else NMS's detections per image; prototypes (bs, nm, H/4, W/4) or None; seconds by STAGES)."""
+    else NMS's detections per image; each image's prototypes (nm, H/4, W/4) or None; seconds)."""
     device, classify = next(model.parameters()).device, model.task == "classify"
     nm = model.head.nm if model.task == "segment" else 0
     t0 = now(device)
@@ -115,7 +110,7 @@ def infer(model, images: torch.Tensor, nms: dict, amp=None) -> tuple:
     t1 = now(device)
     with torch.autocast(device.type, amp, enabled=amp is not None):
         out = model(x)
-    preds, protos = out if nm else (out, None)
+    preds, protos = out if nm else (out, [None] * len(x))
     t2 = now(device)
     dets = preds.float() if classify else ops.non_max_suppression(preds.float(), nm=nm, **nms)
     return dets, protos, np.array([t1 - t0, t2 - t1, now(device) - t2])
@@ -139,7 +134,7 @@ def plot_batch(batch: dict, dets: list, protos, prefix: Path, names: list) -> No
     images, kw = batch["images"], dict(names=names)
     draw_batch(images, batch["targets"], batch["masks"], fname=f"{prefix}_labels.jpg", **kw)
     preds = [d[d[:, 4] >= 0.25] for d in dets]
-    if protos is not None:
+    if protos[0] is not None:
         hw = images.shape[2:]
         kw["masks"] = [ops.process_mask(q, p[:, 6:], p[:, :4], hw) for q, p in zip(protos, preds)]
     draw_batch(images, preds=preds, fname=f"{prefix}_pred.jpg", **kw)
@@ -252,9 +247,8 @@ def cli(main, parser: argparse.ArgumentParser) -> None:
     try:
         main(parser.parse_args())
     except (ValueError, OSError) as e:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"{parser.prog}: error: {str(e).splitlines()[0]}", file=sys.stderr)
-        sys.exit(2)
+        why = f"{parser.prog}: error: {str(e).splitlines()[0]}\n"
+        parser.exit(2, why if int(os.environ.get("RANK", "0")) == 0 else None)  # printed once
 
 
 if __name__ == "__main__":

@@ -8,15 +8,13 @@ import numpy as np
 IOU_THRESHOLDS = np.linspace(0.5, 0.95, 10)  # float64, bit-equal to COCOeval's iouThrs
 RECALL_POINTS = np.linspace(0.0, 1.0, 101)  # COCOeval's recThrs
 CONF_GRID = np.linspace(0.0, 1.0, 1000)  # confidences scanned for the max-mean-F1 point
-EPS = np.spacing(1)
 SUFFIX = {"box": "B", "mask": "M"}  # metric names: "mAP50(B)", "mAP50-95(M)", ...
 KINDS = {"detect": ("box",), "segment": ("box", "mask"), "classify": ("class",)}  # what it scores
 
 
 def match_predictions(iou: np.ndarray, conf, pred_cls, gt_cls) -> np.ndarray:
-    """COCO's greedy matching of one image: numpy iou (n, m), conf (n,), pred_cls (n,), gt_cls (m,)
-    -> tp (n, T) bool. By descending score each detection takes the free ground truth of its class
-    with the highest IoU >= t (ties: the later one, as COCOeval)."""
+    """COCO's greedy matching: iou (n, m), conf (n,), pred_cls (n,), gt_cls (m,) -> tp (n, T) bool;
+    by descending conf, each takes its class's free ground truth of top IoU >= t (ties: last)."""
     thr, m = IOU_THRESHOLDS[:, None], iou.shape[1]
     tp = np.zeros((len(iou), len(thr)), dtype=bool)
     free, rows = np.ones((len(thr), m), dtype=bool), np.arange(len(thr))
@@ -47,10 +45,9 @@ def merge_records(parts: list[list[dict]]) -> list[dict]:
     return [merged[i] for i in sorted(merged)]
 
 
-def ap_per_class(tp: np.ndarray, conf: np.ndarray, pred_cls: np.ndarray, gt_cls) -> dict:
-    """COCO AP of all detections tp (N, T), conf (N,), pred_cls (N,) (by dataset index) -> for the K
-    classes of gt_cls "P", "R" (K,) at the max-mean-F1 conf, "mAP50" (K,), "mAP50-95" (K, T)."""
-    classes, n_gt = np.unique(np.asarray(gt_cls, np.int64), return_counts=True)
+def ap_per_class(tp: np.ndarray, conf, pred_cls, classes, n_gt) -> dict:
+    """COCO AP of all detections tp (N, T), conf (N,), pred_cls (N,) (by dataset index) for classes
+    (K,) of n_gt (K,) instances -> "P", "R" at the max-mean-F1 conf, "mAP50", "mAP50-95" (K, T)."""
     ap = np.zeros((len(classes), tp.shape[1]))
     p_curve, r_curve = np.zeros((2, len(classes), len(CONF_GRID)))
     for ci, (c, npos) in enumerate(zip(classes, n_gt)):
@@ -60,7 +57,7 @@ def ap_per_class(tp: np.ndarray, conf: np.ndarray, pred_cls: np.ndarray, gt_cls)
         order = sel[np.argsort(-conf[sel], kind="mergesort")]  # stable, as COCOeval
         tpc = np.cumsum(tp[order], 0).astype(np.float64)
         n_seen = np.arange(1.0, len(order) + 1)[:, None]  # true + false positives so far
-        recall, precision = tpc / npos, tpc / (n_seen + EPS)
+        recall, precision = tpc / npos, tpc / (n_seen + np.spacing(1))
         envelope = np.maximum.accumulate(precision[::-1], 0)[::-1]
         for ti in range(tp.shape[1]):
             idx = np.searchsorted(recall[:, ti], RECALL_POINTS, side="left")
@@ -97,7 +94,7 @@ def summarize(records: list[dict], kinds: tuple[str, ...] = ("box",)) -> dict:
     metrics = {}
     for kind in kinds:
         tp = np.concatenate([r["tp"][kind] for r in records] + [np.zeros((0, 10), bool)])
-        for name, values in ap_per_class(tp, conf, pred_cls, gt_cls).items():
+        for name, values in ap_per_class(tp, conf, pred_cls, classes, n_gt).items():
             key = f"{name}({SUFFIX[kind]})"
             metrics[key] = float(values.mean()) if len(classes) else 0.0
             for row, v in zip(rows, values):
@@ -127,8 +124,7 @@ def summarize_classes(records: list[dict]) -> dict:
     rows = [{"class": int(c), "images": int((labels == c).sum())} for c in np.unique(labels)]
     metrics = accuracy(hits) | {"val_loss": float(np.mean([r["loss"] for r in records] or [0]))}
     rows = [row | accuracy(hits[labels == row["class"]]) for row in rows]
-    out = {"metrics": metrics, "fitness": metrics["top1_acc"], "images": len(records)}
-    return out | {"per_class": rows}
+    return dict(metrics=metrics, fitness=metrics["top1_acc"], images=len(records), per_class=rows)
 
 
 def fitness(metrics: dict) -> float:

@@ -1,5 +1,4 @@
-"""Box and mask helpers: formats, IoU, yolov5's NMS, letterboxed input -> original image, masks
-from prototypes, COCO-exact polygon rasterisation and RLE, contour tracing. Coordinates are pixels;
+"""Box and mask helpers (yolov5's NMS, COCO-exact rasterisation and RLE), coordinates in pixels;
 `ratio_pad` is a letterbox's ((ratio_h, ratio_w), (pad_w, pad_h)), `*_hw` are (height, width)."""
 
 from __future__ import annotations
@@ -117,31 +116,27 @@ def polygons_to_masks(polygons: list, hw: tuple[int, int]) -> torch.Tensor:
         if keep.any():  # toggles in column-major order, parity fills; columns lo..hi only
             col, row = col[keep].astype(np.int64), row[keep].astype(np.int64)
             lo, hi = col.min(), col.max() + 1
-            size = (hi - lo) * h
-            toggles = np.bincount((col - lo) * h + row, minlength=size + 1)[:size]
+            # row h: below the image; its toggles are dropped
+            toggles = np.bincount((col - lo) * h + row, minlength=(hi - lo) * h + 1)[:-1]
             out[i, :, lo:hi] = (np.cumsum(toggles) % 2 == 1).reshape(hi - lo, h).T
     return torch.from_numpy(out)
 
 
-# the 8 neighbours (dy, dx) of a pixel, clockwise from the east (rows grow downwards)
-NEIGHBOURS = ((0, 1), (1, 1), (1, 0), (1, -1), (0, -1), (-1, -1), (-1, 0), (-1, 1))
-
-
 def trace_border(m: np.ndarray, start: int) -> tuple[np.ndarray, np.ndarray]:
     """Moore-neighbour trace of the outer border of the 8-connected component at flat index `start`
-    of a zero-framed bool mask -> its pixels (k, 2) [x, y] clockwise, each one's NEIGHBOURS step."""
+    of a zero-framed bool mask -> its pixels (k, 2) [x, y] clockwise, each one's step (0-7)."""
     flat, w = m.ravel(), m.shape[1]
-    steps = [dy * w + dx for dy, dx in NEIGHBOURS]
-    p, d, points, dirs = start, 4, [], []  # the search starts at the west, known background
+    # the 8 neighbours' flat offsets, clockwise from the east: E, SE, S, SW, W, NW, N, NE
+    steps = [1, w + 1, w, w - 1, -1, -w - 1, -w, -w + 1]
+    p, d, path = start, 4, []  # (pixel, its step); the search starts at the west, background
     while True:
         nd = next(((d + k) % 8 for k in range(8) if flat[p + steps[(d + k) % 8]]), None)
-        if nd is None or (dirs and nd == dirs[0] and p == start):  # leaving the start again
+        if nd is None or (path and path[0] == (p, nd)):  # leaving the start again
             break
-        points.append(p)
-        dirs.append(nd)
+        path.append((p, nd))
         p, d = p + steps[nd], (nd + 6 - nd % 2) % 8  # from the last background neighbour seen
-    points = np.array(points or [start])
-    return np.stack([points % w, points // w], 1), np.array(dirs or [0])
+    points, dirs = np.array(path or [(start, 0)]).T
+    return np.stack([points % w, points // w], 1), dirs
 
 
 def mask_to_polygon(mask: torch.Tensor | np.ndarray) -> np.ndarray:
@@ -170,8 +165,7 @@ def mask_iou(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def rle_encode(mask: torch.Tensor | np.ndarray) -> dict:
     """COCO's compressed RLE of one (h, w) bool mask: {"size": [h, w], "counts": str}."""
-    m = np.asarray(mask.cpu() if isinstance(mask, torch.Tensor) else mask, dtype=bool)
-    flat = m.T.reshape(-1)
+    flat = np.asarray(mask.cpu() if isinstance(mask, torch.Tensor) else mask, dtype=bool).T.ravel()
     starts = np.flatnonzero(np.diff(flat, prepend=False))  # of runs, the first one of zeros
     counts = np.diff(np.concatenate(([0], starts, [flat.size]))).tolist()
     chars = []
@@ -182,4 +176,4 @@ def rle_encode(mask: torch.Tensor | np.ndarray) -> dict:
             c, x = x & 0x1F, x >> 5
             more = x != -1 if c & 0x10 else x != 0
             chars.append(chr(c + 0x20 * more + 48))
-    return {"size": [int(m.shape[0]), int(m.shape[1])], "counts": "".join(chars)}
+    return {"size": [int(n) for n in mask.shape], "counts": "".join(chars)}
