@@ -3,8 +3,7 @@
     python train.py --cfg yolov5n-seg.yaml --data coco128-seg.yaml --epochs 100 --imgsz 640
     torchrun --standalone --nproc_per_node 4 train.py --data coco.yaml --batch-size 64  # global
 
-Read top to bottom: arguments, builders, train_one_epoch, fit (validate, log, save), main. --resume
-continues a run (runs/train/exp, exp2, ...) exactly; after a torchrun restart it does so by itself.
+--resume continues a run exactly; after a torchrun restart it does so by itself.
 """
 
 from __future__ import annotations
@@ -191,9 +190,9 @@ def forward_loss(model, criterion: YOLOLoss, batch: dict, device, amp: torch.dty
     return criterion(preds, targets, masks) if masks is not None else criterion(preds, targets)
 
 
-def optimizer_step(model, optimizer, scaler, ema: ModelEMA | None, max_norm=10.0) -> None:
+def optimizer_step(model, optimizer, scaler, ema: ModelEMA | None) -> None:
     scaler.unscale_(optimizer)
-    nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    nn.utils.clip_grad_norm_(model.parameters(), 10.0)  # yolov5's max_norm
     scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
