@@ -3,8 +3,7 @@
     python train.py --cfg yolov5n-seg.yaml --data coco128-seg.yaml --epochs 100 --imgsz 640
     torchrun --standalone --nproc_per_node 4 train.py --data coco.yaml --batch-size 64  # global
 
-Read top to bottom: arguments, builders, train_one_epoch, fit (validate, log, save), main. --resume
-continues a run (runs/train/exp, exp2, ...) exactly; after a torchrun restart it does so by itself.
+--resume continues a run exactly; after a torchrun restart it does so by itself.
 """
 
 from __future__ import annotations
@@ -130,21 +129,23 @@ def build_model(args, data: dict, ckpt: dict | None) -> Model:
     return model
 
 
-def build_datasets(args, hyp: dict, model: Model, data: dict, info) -> tuple:
-    """(train, val): YOLODatasets (mosaic; rect val batches), or a classifier's ClassifyDatasets."""
+def build_loaders(args, hyp: dict, model: Model, data: dict, info) -> tuple:
+    """(train, val) DataLoaders of YOLODatasets (mosaic; rect val batches) or ClassifyDatasets."""
     datasets.check_task(data, model.task)
+    batch, kw = args.batch_size // info.world_size, dict(imgsz=args.imgsz, verbose=info.is_main)
     if model.task == "classify":
-        kw = dict(imgsz=args.imgsz, verbose=info.is_main)
         train = ClassifyDataset(data["train"][0], augment=True, prefix="train: ", **kw)
-        return train, ClassifyDataset(data["val"][0], prefix="val: ", **kw)
-    batch, cache = args.batch_size // info.world_size, None if args.cache == "off" else args.cache
-    kw = dict(imgsz=args.imgsz, task=model.task, stride=int(model.stride.max()), nc=data["nc"])
-    kw |= dict(verbose=info.is_main, local_world_size=info.local_world_size, cache=cache, hyp=hyp)
-    train = YOLODataset(data["train"], augment=True, batch_size=batch, prefix="train: ", **kw)
-    val = YOLODataset(data["val"], rect=True, batch_size=2 * batch, prefix="val: ", **kw)
+        val = ClassifyDataset(data["val"][0], prefix="val: ", **kw)
+    else:  # --cache off: any value but auto and ram
+        kw |= dict(task=model.task, stride=int(model.stride.max()), nc=data["nc"], hyp=hyp)
+        kw |= dict(local_world_size=info.local_world_size, cache=args.cache)
+        train = YOLODataset(data["train"], augment=True, batch_size=batch, prefix="train: ", **kw)
+        val = YOLODataset(data["val"], rect=True, batch_size=2 * batch, prefix="val: ", **kw)
     if model.task == "segment":
         train.check_polygons()
-    return train, val
+    ranks = dict(rank=info.rank, world_size=info.world_size, local_world_size=info.local_world_size)
+    loader, _ = build_dataloader(train, batch, args.workers, True, seed=args.seed, **ranks)
+    return loader, build_dataloader(val, 2 * batch, args.workers, False, **ranks)[0]
 
 
 def build_optimizer(model: nn.Module, lr: float, momentum: float, decay: float, name="SGD"):
@@ -189,9 +190,9 @@ def forward_loss(model, criterion: YOLOLoss, batch: dict, device, amp: torch.dty
     return criterion(preds, targets, masks) if masks is not None else criterion(preds, targets)
 
 
-def optimizer_step(model, optimizer, scaler, ema: ModelEMA | None, max_norm=10.0) -> None:
+def optimizer_step(model, optimizer, scaler, ema: ModelEMA | None) -> None:
     scaler.unscale_(optimizer)
-    nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    nn.utils.clip_grad_norm_(model.parameters(), 10.0)  # yolov5's max_norm
     scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
@@ -209,14 +210,14 @@ def train_one_epoch(model, criterion, optimizer, scaler, ema, loader, epoch, arg
     for g in optimizer.param_groups:
         g["lr"] = g["initial_lr"] * lf
     warmup_iters = max(round(hyp.get("warmup_epochs", 0) * n), 100)
-    batch_size = args.batch_size
-    accumulate = max(round(NOMINAL_BATCH / batch_size), 1) if detect else 1
+    nominal_accumulate = NOMINAL_BATCH / args.batch_size  # batches a step once warmup is over
+    accumulate = max(round(nominal_accumulate), 1) if detect else 1
     last_step = epoch * n - 1  # every epoch ends with a step: no gradients pending at a checkpoint
-    mean, stats, t0 = 0.0, {}, time.time()
-    for i, batch in log_every(loader, args.log_every, f"epoch {epoch + 1}/{args.epochs}", stats):
+    mean, start = 0.0, time.time()
+    for i, batch in enumerate(loader):
         it = i + n * epoch
         if detect and it <= warmup_iters:
-            accumulate = warmup(optimizer, it, warmup_iters, lf, hyp, NOMINAL_BATCH / batch_size)
+            accumulate = warmup(optimizer, it, warmup_iters, lf, hyp, nominal_accumulate)
         step = it - last_step >= accumulate or i == n - 1
         sync = step or not isinstance(model, DDP)  # DDP all-reduces in backward: only at a step
         with contextlib.nullcontext() if sync else model.no_sync():
@@ -231,29 +232,22 @@ def train_one_epoch(model, criterion, optimizer, scaler, ema, loader, epoch, arg
             optimizer_step(model, optimizer, scaler, ema)
             last_step = it
         mean = (mean * i + values) / (i + 1)
-        stats.update(dict(zip(items, mean.tolist())), instances=len(batch["targets"]))
         if it == 0 and detect and dist.is_main():
             labels = (batch["images"], batch["targets"], batch["masks"])
             draw_batch(*labels, fname=save_dir / "train_batch0.jpg", names=de_parallel(model).names)
         if i == 0:
             t0 = time.time()  # the throughput leaves out the first batch (workers start)
-    img_s = (n - 1) * batch_size / (time.time() - t0) if n > 1 else 0.0
-    return dict(zip(items, mean.tolist())), img_s
-
-
-def log_every(loader, every: int, header: str, stats: dict):
-    """Yield (i, batch); every `every` batches rank 0 prints progress, it/s, ETA, stats, memory."""
-    n, t0 = len(loader), time.time()
-    for i, batch in enumerate(loader):
-        yield i, batch
-        if dist.is_main() and ((i + 1) % every == 0 or i + 1 == n):
-            rate = (i + 1) / (time.time() - t0)
+        if dist.is_main() and ((i + 1) % args.log_every == 0 or i + 1 == n):
+            rate = (i + 1) / (time.time() - start)
             mem = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # peak RSS, GB
             mem = torch.cuda.max_memory_reserved() / 1e9 if torch.cuda.is_initialized() else mem
-            text = "  ".join(f"{k} {v:.4g}" for k, v in stats.items())
             eta = datetime.timedelta(seconds=round((n - i - 1) / rate))
-            progress = f"{header} [{i + 1}/{n}]  {rate:.2f} it/s  eta {eta}"
-            print(f"{progress}  {text}  mem {mem:.2f}G", flush=True)
+            text = "  ".join(f"{k} {v:.4g}" for k, v in zip(items, mean.tolist()))
+            text += f"  instances {len(batch['targets'])}  mem {mem:.2f}G"
+            progress = f"epoch {epoch + 1}/{args.epochs} [{i + 1}/{n}]  {rate:.2f} it/s  eta {eta}"
+            print(f"{progress}  {text}", flush=True)
+    img_s = (n - 1) * args.batch_size / (time.time() - t0) if n > 1 else 0.0
+    return dict(zip(items, mean.tolist())), img_s
 
 
 # ---------------------------------------------------------------- resume
@@ -277,7 +271,7 @@ def resumed_args(cli, path: str, ckpt: dict) -> argparse.Namespace:
 # ---------------------------------------------------------------- the run
 def prepare(args, info) -> tuple:
     """Everything before the first epoch that bad input can stop: ConfigError (one line) then.
-    Returns (args, resumed checkpoint or None, hyp, model, train_set, val_set, save_dir)."""
+    Returns (args, resumed checkpoint or None, hyp, model, train loader, val loader, save_dir)."""
     try:
         ckpt, run_id = None, dist.torchrun_id()
         if resumed := dist.run_on_main(checkpoint.find_resume, args, run_id):
@@ -288,12 +282,12 @@ def prepare(args, info) -> tuple:
             model = build_model(args, data, ckpt)
             check_args(args, model.task, info.world_size)
             hyp = load_hyp(ckpt["hyp"] if ckpt else args.hyp, model.task)
-            train_set, val_set = build_datasets(args, hyp, model, data, info)
+            loader, val_loader = build_loaders(args, hyp, model, data, info)
         need = 36 * sum(p.numel() for p in model.parameters())  # 3 files of 3 fp32 copies
         save_dir = dist.run_on_main(checkpoint.make_run_dir, args, hyp, run_id, need)
     except (ValueError, OSError, RuntimeError, yaml.YAMLError) as e:  # DataError, CheckpointError
         raise ConfigError(str(e).splitlines()[0]) from None
-    return args, ckpt, hyp, model, train_set, val_set, save_dir
+    return args, ckpt, hyp, model, loader, val_loader, save_dir
 
 
 def build_training(model: Model, hyp: dict, args, info) -> tuple:
@@ -317,38 +311,42 @@ def build_training(model: Model, hyp: dict, args, info) -> tuple:
 
 def fit(args, info) -> dict:
     """Train. Returns {save_dir, epochs (the last run), best_fitness, metrics (best.pt), img_s}."""
-    args, ckpt, hyp, model, train_set, val_set, save_dir = prepare(args, info)
+    args, ckpt, hyp, model, loader, val_loader, save_dir = prepare(args, info)
     for seed in (random.seed, np.random.seed, torch.manual_seed):
         seed(args.seed + info.rank)  # augmentation has its own seeds, per sample
-    model, amp = model.to(info.device), amp_dtype(info.device, args.amp)
-    if not ckpt and not args.noautoanchor and model.task != "classify":
-        autoanchor(model, train_set, hyp["anchor_t"], args)
+    model, amp, task = model.to(info.device), amp_dtype(info.device, args.amp), model.task
+    if not ckpt and not args.noautoanchor and task != "classify":
+        autoanchor(model, loader.dataset, hyp["anchor_t"], args)
     model, criterion, optimizer, scaler, ema = build_training(model, hyp, args, info)
     start, best = 0, (0.0, 0)  # best: (fitness, epoch)
     if ckpt:  # what `checkpoint.training_state` saves at the end of each epoch, below
-        start, best = resume(ckpt, de_parallel(model), ema, optimizer, scaler, args, info)
+        state = (de_parallel(model), ema, optimizer, scaler, info.rank, info.world_size)
+        try:
+            exact = checkpoint.restore(ckpt, *state)
+        except checkpoint.CheckpointError as e:
+            raise ConfigError(f"--resume: {args.resume}: {e}") from None
+        if not exact:
+            sizes = f"saved with world size {ckpt['rng']['world_size']}, now {info.world_size}"
+            dist.print0(f"warning: {sizes}: random states are not restored (not an exact resume)")
+        start, best = ckpt["epoch"] + 1, (ckpt["best_fitness"], ckpt["best_epoch"])
         dist.print0(f"Resuming {save_dir} at epoch {start + 1}/{args.epochs}")
-    batch, workers = args.batch_size // info.world_size, args.workers
-    ranks = dict(rank=info.rank, world_size=info.world_size, local_world_size=info.local_world_size)
-    loader, sampler = build_dataloader(train_set, batch, workers, True, seed=args.seed, **ranks)
-    val_loader, _ = build_dataloader(val_set, 2 * batch, workers, False, **ranks)
     where = f"{info.world_size} rank(s) on {info.device.type}, batch {args.batch_size}"
-    dist.print0(f"{train_set.task} training: {where}, {args.epochs} epochs, in {save_dir}")
+    dist.print0(f"{task} training: {where}, {args.epochs} epochs, in {save_dir}")
     t_start, img_s, epoch = time.time(), [], start - 1
     for epoch in range(start, args.epochs):
-        sampler.set_epoch(epoch)
+        loader.sampler.set_epoch(epoch)
         step = (model, criterion, optimizer, scaler, ema, loader, epoch, args, hyp, save_dir)
         losses, speed = train_one_epoch(*step)
         img_s.append(speed)
         metrics = None
         if epoch + 1 == args.epochs or not args.noval:  # BN buffers differ between DDP ranks:
             dist.broadcast_tensors(ema.ema.state_dict().values())  # all validate rank 0's EMA
-            metrics = evaluate(ema.ema, val_loader, val_set, amp=amp)
+            metrics = evaluate(ema.ema, val_loader, val_loader.dataset, amp=amp)
             best = max(best, (metrics["fitness"], epoch))  # equal fitness: the later epoch
         stop = metrics and args.patience and epoch - best[1] >= args.patience
         rngs = dist.all_gather_object(checkpoint.rng_state())
         if info.is_main:
-            log_epoch(save_dir, epoch, args, losses, metrics, optimizer, speed, train_set.task)
+            log_epoch(save_dir, epoch, args, losses, metrics, optimizer, speed, task)
             if stop or epoch + 1 == args.epochs or not args.nosave:
                 opt = (optimizer, scaler, epoch, best, args, hyp, rngs)
                 state = checkpoint.training_state(de_parallel(model), ema, *opt)
@@ -361,21 +359,9 @@ def fit(args, info) -> dict:
             dist.print0(f"Early stop: no improvement in {args.patience} epochs, {best_epoch}")
             break
     dist.print0(f"{epoch + 1 - start} epochs in {(time.time() - t_start) / 3600:.3f} hours")
-    metrics = final_validation(ema, val_loader, val_set, save_dir, amp)
+    metrics = final_validation(ema, val_loader, save_dir, amp)
     out = dict(save_dir=str(save_dir), epochs=epoch + 1, best_fitness=best[0], metrics=metrics)
     return out | dict(img_s=img_s)
-
-
-def resume(ckpt: dict, model: Model, ema, optimizer, scaler, args, info) -> tuple[int, tuple]:
-    """Restore a checkpoint's training state; returns (first epoch to run, best)."""
-    try:
-        ok = checkpoint.restore(ckpt, model, ema, optimizer, scaler, info.rank, info.world_size)
-    except checkpoint.CheckpointError as e:
-        raise ConfigError(f"--resume: {args.resume}: {e}") from None
-    if not ok:
-        sizes = f"saved with world size {ckpt['rng']['world_size']}, resumed with {info.world_size}"
-        dist.print0(f"warning: {sizes}: random states are not restored (not an exact resume)")
-    return ckpt["epoch"] + 1, (ckpt["best_fitness"], ckpt["best_epoch"])
 
 
 def autoanchor(model: Model, train_set, thr: float, args) -> None:
@@ -402,13 +388,13 @@ def log_epoch(save_dir: Path, epoch, args, losses: dict, metrics, optimizer, img
     print(f"epoch {epoch + 1}/{args.epochs}: {img_s:.1f} img/s  {val}", flush=True)
 
 
-def final_validation(ema: ModelEMA, loader, dataset, save_dir: Path, amp) -> dict:
+def final_validation(ema: ModelEMA, loader, save_dir: Path, amp) -> dict:
     """Validate best.pt (or last.pt) once more, with plots; rank 0 prints the table."""
     weights = save_dir / "weights"
     path = weights / "best.pt" if (weights / "best.pt").is_file() else weights / "last.pt"
     dist.print0(f"Validating {path}")
     ema.ema.load_state_dict(dist.run_on_main(lambda: checkpoint.load(path)["ema"]))
-    metrics = evaluate(ema.ema, loader, dataset, plots_dir=save_dir, amp=amp)
+    metrics = evaluate(ema.ema, loader, loader.dataset, plots_dir=save_dir, amp=amp)
     dist.print0(format_table(metrics, ema.ema.names) + f"\nResults saved to {save_dir}")
     return metrics
 

@@ -158,8 +158,7 @@ sys.path.insert(0, os.getcwd())
 import train
 real_save = torch.save
 def save(obj, f, *args, **kwargs):
-    if isinstance(obj, dict) and obj.get("epoch") == 1:  # epoch 2's last.pt: half of it reaches
-    the disk
+    if isinstance(obj, dict) and obj.get("epoch") == 1:  # epoch 2's last.pt: half reaches disk
         buf = io.BytesIO()
         real_save(obj, buf)
         f.write(buf.getvalue()[: buf.tell() // 2])

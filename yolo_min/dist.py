@@ -1,6 +1,5 @@
 """torchrun plumbing, the only module of yolo_min that knows ranks. Without a process group every
-helper is the identity or a no-op, so the same code runs in one process. Nothing runs at import.
-"""
+helper is the identity or a no-op, so the same code runs in one process."""
 
 from __future__ import annotations
 
@@ -16,8 +15,8 @@ import torch.distributed as dist
 
 @dataclass(frozen=True)
 class DistInfo:
-    """This process: global rank, world_size, local_world_size (processes on this node) and its
-    torch device (under torchrun: the node's GPU local_rank). Rank 0 is the main process."""
+    """This process: rank (0: the main one), world_size, local_world_size (processes on its node),
+    device (under torchrun: the node's GPU local_rank)."""
 
     rank: int
     world_size: int
@@ -41,9 +40,9 @@ def select_device(device: str = "") -> torch.device:
         raise ValueError(f"--device {device}: not a device (cpu, cuda, 0, cuda:1, ...)") from None
 
 
-def setup(device: str = "", timeout_s: float = 600) -> DistInfo:
-    """Read torchrun's RANK, LOCAL_RANK, WORLD_SIZE (absent: one process), pick the device and
-    initialise the process group (nccl on CUDA, gloo on CPU); return this process's facts."""
+def setup(device: str = "") -> DistInfo:
+    """This process's DistInfo from torchrun's environment (none: one process); under torchrun
+    the process group too (nccl on CUDA, gloo on CPU)."""
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     dev = select_device(device)
@@ -51,7 +50,7 @@ def setup(device: str = "", timeout_s: float = 600) -> DistInfo:
         dev = torch.device("cuda", local_rank)  # under torchrun each rank owns one GPU
         torch.cuda.set_device(dev)
     if world_size > 1 and not dist.is_initialized():
-        timeout = datetime.timedelta(seconds=timeout_s)
+        timeout = datetime.timedelta(minutes=10)
         # torchrun's agent keeps one store across restarts: a key prefix per attempt stops a
         # restarted group from reading the addresses of the dead one (pytorch/pytorch#135712)
         kw = dict(rank=rank, world_size=world_size, timeout=timeout)
@@ -60,8 +59,7 @@ def setup(device: str = "", timeout_s: float = 600) -> DistInfo:
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         store = dist.PrefixStore(f"yolo_min/attempt{attempt}", store)
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", store=store, **kw)
-    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return DistInfo(rank, world_size, local_world_size, dev)
+    return DistInfo(rank, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), dev)
 
 
 def torchrun_id() -> str | None:
@@ -114,8 +112,8 @@ def reduce_mean(t: torch.Tensor) -> torch.Tensor:
 
 
 def run_on_main(fn, *args):
-    """fn(*args) on rank 0, its result on every rank. A ValueError raised there is raised on every
-    rank, so that no rank waits in a collective for one that gave up."""
+    """fn(*args) on rank 0, its result on every rank; a ValueError there is raised on every rank
+    (no rank waits in a collective for one that gave up)."""
     box = [(None, None)]
     if is_main():
         try:
@@ -132,8 +130,8 @@ def run_on_main(fn, *args):
 
 @contextlib.contextmanager
 def main_first():
-    """Run the body on each node's local rank 0 first, then on the others (e.g. to build a cache
-    once). The others are released even when the body raises on local rank 0."""
+    """The body on each node's local rank 0 first (e.g. to build a cache), then on the others,
+    released even when it raises on local rank 0."""
     first = int(os.environ.get("LOCAL_RANK", "0")) == 0
     if not first:
         barrier()

@@ -43,14 +43,14 @@ def bbox_ciou(box1: torch.Tensor, box2: torch.Tensor, eps: float = 1e-7) -> torc
 
 
 class YOLOLoss:
-    """yolov5's loss for a Detect or Segment head: `criterion(preds, targets[, masks])`.
+    """yolov5's loss for a Detect or Segment head (hyp: rescaled by `scale_hyp`):
+    `criterion(preds, targets[, masks])` -> (loss, items {"box", ["seg",] "obj", "cls"}).
 
     preds: train-mode output, nl raw maps (bs, na, ny, nx, 5+nc+nm); segment: (maps, protos
         (bs, nm, Hp, Wp)). targets: (N, 6) [img_idx, cls, cx, cy, w, h], xywh normalised.
     masks (segment): (bs, Hm, Wm) overlap index maps, value k = the image's k-th target (1-based).
-    Returns (loss, items {"box", ["seg",] "obj", "cls"}: detached per-image means).
-    loss = sum(items) * bs * world_size: the summed per-image losses of the global batch, as DDP
-    averages gradients over ranks. hyp: the recipe's loss keys rescaled by `scale_hyp`.
+    items: detached per-image means; loss = sum(items) * bs * world_size, the summed per-image
+    losses of the global batch, as DDP averages gradients over ranks.
     """
 
     def __init__(self, model: nn.Module, hyp: dict, world_size: int = 1):
@@ -58,18 +58,16 @@ class YOLOLoss:
         self.nl, self.nc, self.nm = self.head.nl, self.head.nc, self.head.nm
         self.hyp, self.world_size = dict(hyp), world_size
         self.balance = [4.0, 1.0, 0.4] if self.nl == 3 else [4.0, 1.0, 0.25, 0.06, 0.02][: self.nl]
-        device = next(model.parameters()).device
-        self.cls_pw = torch.tensor([hyp["cls_pw"]], device=device)
-        self.obj_pw = torch.tensor([hyp["obj_pw"]], device=device)
+        pos_weights = [[hyp["cls_pw"]], [hyp["obj_pw"]]]
+        self.cls_pw, self.obj_pw = torch.tensor(pos_weights, device=next(model.parameters()).device)
         eps = hyp.get("label_smoothing", 0.0)
         self.cp, self.cn = 1.0 - 0.5 * eps, 0.5 * eps  # positive / negative class targets
 
     def _bce(self, logits: torch.Tensor, target: torch.Tensor, pos_weight) -> torch.Tensor:
         """Mean BCE-with-logits; with fl_gamma > 0 yolov5's focal form (alpha 0.25)."""
-        gamma = self.hyp.get("fl_gamma", 0.0)
         bce = F.binary_cross_entropy_with_logits
         loss = bce(logits, target, pos_weight=pos_weight, reduction="none")
-        if gamma > 0:
+        if (gamma := self.hyp.get("fl_gamma", 0.0)) > 0:
             p = logits.sigmoid()
             p_t = target * p + (1 - target) * (1 - p)
             loss = loss * (target * 0.25 + (1 - target) * 0.75) * (1.0 - p_t) ** gamma
