@@ -37,10 +37,17 @@ def make_batch(seed: int, segment: bool) -> dict:
     image."""
     g = torch.Generator().manual_seed(seed)
     images = torch.randint(0, 256, (4, 3, 64, 64), dtype=torch.uint8, generator=g)
-    targets = torch.tensor([[0, 0, 0.31, 0.42, 0.30, 0.20], [0, 1, 0.62, 0.71, 0.12, 0.33],
-                            [1, 2, 0.47, 0.27, 0.52, 0.40], [2, 0, 0.23, 0.64, 0.21, 0.19],
-                            # fmt: skip
-                            [3, 1, 0.71, 0.36, 0.61, 0.58], [3, 2, 0.18, 0.83, 0.09, 0.11]])
+    targets = torch.tensor(
+        [
+            [0, 0, 0.31, 0.42, 0.30, 0.20],
+            [0, 1, 0.62, 0.71, 0.12, 0.33],
+            [1, 2, 0.47, 0.27, 0.52, 0.40],
+            [2, 0, 0.23, 0.64, 0.21, 0.19],
+            # fmt: skip
+            [3, 1, 0.71, 0.36, 0.61, 0.58],
+            [3, 2, 0.18, 0.83, 0.09, 0.11],
+        ]
+    )
     targets[:, 2:4] += seed * 0.02
     masks = torch.zeros(4, 16, 16)
     for row, (b, _, cx, cy, w, h) in enumerate(

@@ -289,8 +289,7 @@ def test_two_epochs_on_coco8(tmp_path, data_dir, cfg, data):
 def test_bf16_learns_as_fp32_does(tmp_path, small_shapes):
     """train.py's step under --amp on (bfloat16 autocast, channels_last) learns the 48 small-shapes
     training images as fp32 does: 120 steps at lr 0.03 from scratch take either past mAP50 0.5 on
-    them (measured: fp32 0.69, bf16 0.81). val.py scores that checkpoint alike (to 0.005 mAP) with
-    --amp off and on."""
+    them (measured: fp32 0.69, bf16 0.77)."""
     data = tmp_path / "memorise.yaml"  # validate on the training images
     data.write_text(Path(small_shapes).read_text().replace("val: val.txt", "val: train.txt"))
     ds = YOLODataset(load_data_config(str(data))["train"], 128, batch_size=16, nc=3, verbose=False)
@@ -309,14 +308,21 @@ def test_bf16_learns_as_fp32_does(tmp_path, small_shapes):
         train.optimizer_step(model, optimizer, scaler, None)
     weights = tmp_path / "bf16.pt"
     torch.save({"model_cfg": model.yaml, "model": model.state_dict(), "names": []}, weights)
-    res = {}
-    for amp in ("off", "on"):
-        flags = ["--weights", weights, "--data", data, "--imgsz", 128, "--workers", 0]
-        flags += ["--amp", amp, "--project", tmp_path / "val", "--name", amp]
-        res[amp] = val.main(val.get_args_parser().parse_args([str(f) for f in flags]))["metrics"]
-    assert res["on"]["mAP50(B)"] > 0.5
-    for k in ("mAP50(B)", "mAP50-95(B)"):
-        assert res["on"][k] == pytest.approx(res["off"][k], abs=0.005), k
+    kw = dict(data=str(data), imgsz=128, workers=0, amp="off", project=str(tmp_path / "val"))
+    assert val.run(weights=str(weights), **kw)["metrics"]["mAP50(B)"] > 0.5
+
+
+@pytest.mark.slow
+def test_validation_with_amp_matches_fp32(tmp_path, fixtures_dir):
+    """val.py --amp on (bf16, channels_last) and --amp off score yolov5-trained YOLOv5n and
+    YOLOv5n-seg checkpoints on the shapes val images within 0.005 mAP (measured: at most 0.0048)."""
+    for weights in ("det.pt", "seg.pt"):
+        kw = dict(weights=str(fixtures_dir / "predict" / weights), data="shapes", imgsz=128)
+        kw |= dict(workers=0, project=str(tmp_path), exist_ok=True)
+        off, on = (val.run(**kw, amp=amp, name=amp)["metrics"] for amp in ("off", "on"))
+        assert off["mAP50(B)"] > 0.85  # trained models: differences are not noise on a few hits
+        for k in [k for k in off if k.startswith("mAP")]:
+            assert on[k] == pytest.approx(off[k], abs=0.005), (weights, k)
 
 
 @pytest.mark.slow
