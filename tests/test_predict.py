@@ -301,7 +301,8 @@ def test_train_run_under_torchrun(tmp_path, tiny):
     script.write_text(
         f"import os, sys\nsys.path.insert(0, {str(ROOT)!r})\nimport train\n"
         f"res = train.run(**{kwargs!r})\n"
-        "print('RESULT', os.environ['RANK'], res['epochs'], res['save_dir'], flush=True)\n"
+        "line = f\"RESULT {os.environ['RANK']} {res['epochs']} {res['save_dir']}\\n\"\n"
+        "os.write(1, line.encode())  # one write: the ranks share the pipe\n"
     )
     cmd = [*TORCHRUN, str(script)]
     r = subprocess.run(cmd, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)

@@ -135,12 +135,14 @@ def test_stop_signal_during_checkpoint_write_waits_for_it(tmp_path, monkeypatch,
         real(obj, f)
 
     signal.signal(signal.SIGTERM, train.stop_on_sigterm)  # as train.py installs it (restored below)
+    old_int = signal.signal(signal.SIGINT, signal.default_int_handler)  # even if CI ignores SIGINT
     try:
         monkeypatch.setattr(torch, "save", save_interrupted)
         with pytest.raises(KeyboardInterrupt):  # raised once the file is whole and in place
             checkpoint.save({"epoch": 3, "w": torch.ones(3)}, tmp_path / "last.pt")
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, old_int)
     assert torch.load(tmp_path / "last.pt", weights_only=True)["epoch"] == 3
     assert [p.name for p in tmp_path.iterdir()] == ["last.pt"]
 
