@@ -292,9 +292,11 @@ def prepare(args, info) -> tuple:
 
 def build_training(model: Model, hyp: dict, args, info) -> tuple:
     """(the model to train: DDP-wrapped under torchrun, criterion, optimizer, AMP scaler, EMA)."""
-    decay, criterion = hyp["weight_decay"], ClassifyLoss(label_smoothing=hyp["label_smoothing"])
-    if model.task != "classify":  # detection's decay is for NOMINAL_BATCH images a step
-        decay *= args.batch_size * max(round(NOMINAL_BATCH / args.batch_size), 1) / NOMINAL_BATCH
+    if model.task == "classify":
+        decay, criterion = hyp["weight_decay"], ClassifyLoss(label_smoothing=hyp["label_smoothing"])
+    else:  # detection's decay is for NOMINAL_BATCH images a step
+        accumulate = max(round(NOMINAL_BATCH / args.batch_size), 1)
+        decay = hyp["weight_decay"] * args.batch_size * accumulate / NOMINAL_BATCH
         loss_hyp = scale_hyp(hyp, model.nc, args.imgsz, model.head.nl)
         criterion = YOLOLoss(model, loss_hyp, info.world_size)
     optimizer = build_optimizer(model, hyp["lr0"], hyp["momentum"], decay, args.optimizer)
