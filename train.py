@@ -205,7 +205,7 @@ def train_one_epoch(model, criterion, optimizer, scaler, ema, loader, epoch, arg
     the step, a stop on a non-finite loss (every rank at once). Returns (mean loss items, img/s)."""
     model.train()
     device, n, detect = next(model.parameters()).device, len(loader), "warmup_epochs" in hyp
-    amp = amp_dtype(device, args.amp, de_parallel(model).task)
+    amp = amp_dtype(device, args.amp)
     lf = lr_factor(epoch, args.epochs, hyp["lrf"], args.cos_lr)
     for g in optimizer.param_groups:
         g["lr"] = g["initial_lr"] * lf
@@ -300,7 +300,7 @@ def build_training(model: Model, hyp: dict, args, info) -> tuple:
         loss_hyp = scale_hyp(hyp, model.nc, args.imgsz, model.head.nl)
         criterion = YOLOLoss(model, loss_hyp, info.world_size)
     optimizer = build_optimizer(model, hyp["lr0"], hyp["momentum"], decay, args.optimizer)
-    amp = amp_dtype(info.device, args.amp, model.task)  # channels_last: faster under autocast
+    amp = amp_dtype(info.device, args.amp)  # channels_last: the faster layout under autocast
     model = model.to(memory_format=torch.channels_last if amp else None)
     scaler = torch.amp.GradScaler("cuda", enabled=amp == torch.float16)  # fp16 needs loss scaling
     ema = ModelEMA(model)
@@ -316,8 +316,7 @@ def fit(args, info) -> dict:
     args, ckpt, hyp, model, loader, val_loader, save_dir = prepare(args, info)
     for seed in (random.seed, np.random.seed, torch.manual_seed):
         seed(args.seed + info.rank)  # augmentation has its own seeds, per sample
-    model, task = model.to(info.device), model.task
-    amp = amp_dtype(info.device, args.amp, task)
+    model, amp, task = model.to(info.device), amp_dtype(info.device, args.amp), model.task
     if not ckpt and not args.noautoanchor and task != "classify":
         autoanchor(model, loader.dataset, hyp["anchor_t"], args)
     model, criterion, optimizer, scaler, ema = build_training(model, hyp, args, info)

@@ -56,7 +56,7 @@ def loss_share(
     device = torch.device(device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     torch.manual_seed(0)
-    dtype = amp_dtype(device, amp, "segment" if "-seg" in cfg else "detect")  # as train.py trains
+    dtype = amp_dtype(device, amp)
     model = Model(cfg).to(device, memory_format=torch.channels_last if dtype else None).train()
     head = model.head
     crit = YOLOLoss(model, scale_hyp(load_hyp(""), head.nc, imgsz, head.nl))

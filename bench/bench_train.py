@@ -83,7 +83,7 @@ def model_only(setup, iters: int, amp: str = "off", channels_last: bool = False)
 
     model, crit, opt, scaler, batches = setup
     model.to(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
-    dtype, cpu = amp_dtype(torch.device("cpu"), amp, model.task), torch.device("cpu")
+    dtype, cpu = amp_dtype(torch.device("cpu"), amp), torch.device("cpu")
     for k in range(iters + 1):
         if k == 1:
             t0 = time.perf_counter()
@@ -112,8 +112,7 @@ def one_case(task: str, imgsz: int, iters: int, amp: str = "off", rounds: int = 
     from yolo_min.models import amp_dtype
 
     loops, models, rss = [], [], 0.0
-    training = "segment" if task == "seg" else "detect"
-    channels_last = amp_dtype(torch.device("cpu"), amp, training) is not None  # as train.py does
+    channels_last = amp_dtype(torch.device("cpu"), amp) is not None  # as train.py decides
     cfg = "yolov5n-seg.yaml" if task == "seg" else "yolov5n.yaml"
     with tempfile.TemporaryDirectory() as tmp:
         data = data_yaml(task, Path(tmp))

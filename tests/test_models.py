@@ -184,9 +184,6 @@ def test_amp_dtype(monkeypatch):
     for caps, auto in [*cases, ({"avx512_bf16": False, "avx2": True}, None)]:
         monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: caps)
         assert amp_dtype(cpu, "auto") == auto and amp_dtype(cpu, "on") == torch.bfloat16
-        assert amp_dtype(cpu, "auto", "segment") is None  # training a segment model: float32
-        assert amp_dtype(cpu, "on", "segment") == bf16 and amp_dtype(cpu, "auto", "detect") == auto
-    assert amp_dtype(cuda, "auto", "segment") == torch.float16  # as yolov5 trains on CUDA
 
 
 def test_channels_last_does_not_change_checkpoints(tmp_path):
