@@ -25,6 +25,13 @@ from yolo_min.models import Model
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def val_args(weights, data, imgsz: int, *more):
+    """val.py's arguments for these tests: CPU, no workers, batches of 2, conf 1e-4, then `more`."""
+    flags = f"--imgsz {imgsz} --batch-size 2 --device cpu --workers 0 --conf-thres 0.0001".split()
+    args = ["--weights", weights, "--data", data, *flags, *more]
+    return val.get_args_parser().parse_args([str(a) for a in args])
+
+
 class Oracle(nn.Module):
     """Stands in for a network: replays the loader's labels as decoded predictions (jittered,
     random scores, one miss per image, a few false positives); for segmentation, prototype k is the
@@ -137,34 +144,8 @@ def test_val_main_on_checkpoints(fixtures_dir, data_dir, tmp_path, kind):
             },
             weights,
         )
-    args = val.get_args_parser().parse_args(
-        [
-            "--weights",
-            str(weights),
-            "--data",
-            str(data),
-            "--imgsz",
-            "96",
-            "--batch-size",
-            "2",
-            "--device",
-            "cpu",
-            "--workers",
-            "0",
-            "--conf-thres",
-            "0.0001",
-            "--max-det",
-            "100",
-            "--save-json",
-            "--coco-ids",
-            "--plots",
-            "--verbose",
-            "--project",
-            str(tmp_path / "runs"),
-            "--name",
-            "exp",
-        ]
-    )
+    more = "--max-det 100 --save-json --coco-ids --plots --verbose --name exp".split()
+    args = val_args(weights, data, 96, *more, "--project", tmp_path / "runs")
     res = val.main(args)
     out = tmp_path / "runs" / "exp"
     metrics = json.loads((out / "metrics.json").read_text())
@@ -338,34 +319,9 @@ def test_coco_ids_are_the_official_category_ids(fixtures_dir, data_dir, tmp_path
     official = [OFFICIAL_COCO_IDS[names[i]] for i in range(80)]
     assert len(set(official)) == 80
     for name, extra in (("plain", []), ("coco", ["--coco-ids"])):
-        val.main(
-            val.get_args_parser().parse_args(
-                [
-                    "--weights",
-                    str(fixtures_dir / "yolov5n_random_v5format.pt"),
-                    "--data",
-                    str(data_dir / "coco8.yaml"),
-                    "--imgsz",
-                    "64",
-                    "--batch-size",
-                    "2",
-                    "--device",
-                    "cpu",
-                    "--workers",
-                    "0",
-                    "--conf-thres",
-                    "0.0001",
-                    "--max-det",
-                    "3000",
-                    "--save-json",
-                    "--project",
-                    str(tmp_path),
-                    "--name",
-                    name,
-                    *extra,
-                ]
-            )
-        )
+        weights = fixtures_dir / "yolov5n_random_v5format.pt"
+        more = ["--max-det", 3000, "--save-json", "--project", tmp_path, "--name", name, *extra]
+        val.main(val_args(weights, data_dir / "coco8.yaml", 64, *more))
     plain, coco = (
         json.loads((tmp_path / n / "predictions.json").read_text()) for n in ("plain", "coco")
     )
