@@ -1,10 +1,13 @@
-"""Benchmark: train.py's whole training loop against the model-only step rate, YOLOv5n det and seg.
+"""Benchmark: train.py's whole training loop against the model-only step rate, YOLOv5n det, seg
+and cls.
 
 Each case (task x imgsz) runs in a fresh child process:
   model-only  forward + loss + backward + optimizer step on 16-image batches taken from the same
               dataset beforehand (no data loading, no EMA, no logging), 8 steps after a warm-up one.
   full loop   train.main on coco128 (or coco128-seg), batch 16, 2 workers, 2 epochs of 8
               iterations (the first of each, waiting for the workers, is left out); no validation.
+Classify (cls224, cls64): batches of 64, Adam; data: coco128's photos as an ImageFolder (1024
+links, 3 classes) at 224, the embedded shapes-cls (1200 crops of 37-70 px) at 64.
 The two alternate (model-only, loop, model-only, loop, model-only), so a machine that speeds up or
 slows down meanwhile affects both sides alike. --amp off / auto: both sides in float32 (contiguous)
 or as train.py --amp auto runs (bfloat16 autocast and channels_last on a CPU with native bf16).
@@ -15,8 +18,8 @@ nothing. Figures on a shared machine move by +-7% between runs: --repeat N runs 
 workers, validation and checkpoints), --amp off against auto, alternating, wall time of each.
 --ddp adds det at 320 under torchrun, 2 processes x 1 thread (1 worker each), against 1 x 2 threads.
 
-    python bench/bench_train.py [--cases det320 seg320 det640 seg640] [--amp off auto] [--iters 8]
-                                [--repeat 1] [--layouts] [--e2e] [--ddp]
+    python bench/bench_train.py [--cases det320 seg320 det640 seg640 cls224 cls64] [--amp off auto]
+                                [--iters 8] [--repeat 1] [--layouts] [--e2e] [--ddp]
 """
 
 import argparse
@@ -55,14 +58,39 @@ def data_yaml(task: str, folder: Path) -> Path:
     return path
 
 
+def cls_folder(folder: Path, imgsz: int) -> Path:
+    """Classify data: an ImageFolder of coco128's photos (8 links to each, 3 classes by index)
+    made under folder or, below 128 px, the embedded shapes-cls (crops of 37-70 px)."""
+    if imgsz < 128:
+        from yolo_min import shapes
+
+        return shapes.ensure("shapes-cls")
+    photos = sorted((DATA / "coco128" / "images" / "train2017").glob("*.jpg"))
+    for split, copies in (("train", 8), ("val", 1)):
+        for k, (c, f) in enumerate((c, f) for c in range(copies) for f in photos):
+            link = folder / "cls" / split / f"class{k % 3}" / f"{c}_{f.name}"
+            link.parent.mkdir(parents=True, exist_ok=True)
+            link.symlink_to(f)
+    return folder / "cls"
+
+
 def step_setup(task: str, imgsz: int, data: Path, n_batches: int):
     """(model, criterion, optimizer, scaler, batches): what model_only steps through."""
     import train
-    from yolo_min.datasets import YOLODataset, build_dataloader, load_data_config
-    from yolo_min.losses import YOLOLoss, scale_hyp
+    from yolo_min.datasets import ClassifyDataset, YOLODataset, build_dataloader, load_data_config
+    from yolo_min.losses import ClassifyLoss, YOLOLoss, scale_hyp
     from yolo_min.models import Model
 
     torch.manual_seed(0)
+    if task == "cls":  # classify/train.py's recipe: Adam, label smoothing, batch 64
+        hyp = train.load_hyp("", "classify")
+        model = Model("yolov5n-cls.yaml", nc=3).train()
+        crit = ClassifyLoss(label_smoothing=hyp["label_smoothing"])
+        opt = train.build_optimizer(model, hyp["lr0"], hyp["momentum"], 5e-5, "Adam")
+        scaler = torch.amp.GradScaler("cuda", enabled=False)
+        ds = ClassifyDataset(Path(data) / "train", imgsz, augment=True, verbose=False)
+        batches = [b for _, b in zip(range(n_batches), build_dataloader(ds, 64, 0)[0])]
+        return model, crit, opt, scaler, batches
     hyp = train.load_hyp("")
     model = Model("yolov5n-seg.yaml" if task == "seg" else "yolov5n.yaml", nc=80).train()
     crit = YOLOLoss(model, scale_hyp(hyp, 80, imgsz))
@@ -90,7 +118,7 @@ def model_only(setup, iters: int, amp: str = "off", channels_last: bool = False)
         loss, _ = train.forward_loss(model, crit, batches[k % len(batches)], cpu, dtype)
         scaler.scale(loss).backward()
         train.optimizer_step(model, opt, scaler, None)
-    return iters * 16 / (time.perf_counter() - t0)
+    return iters * len(batches[0]["images"]) / (time.perf_counter() - t0)
 
 
 def peak_rss_gb(reset: bool = False) -> float:
@@ -113,9 +141,10 @@ def one_case(task: str, imgsz: int, iters: int, amp: str = "off", rounds: int = 
 
     loops, models, rss = [], [], 0.0
     channels_last = amp_dtype(torch.device("cpu"), amp) is not None  # as train.py decides
-    cfg = "yolov5n-seg.yaml" if task == "seg" else "yolov5n.yaml"
+    cfg = {"seg": "yolov5n-seg.yaml", "cls": "yolov5n-cls.yaml"}.get(task, "yolov5n.yaml")
+    batch = "64" if task == "cls" else "16"
     with tempfile.TemporaryDirectory() as tmp:
-        data = data_yaml(task, Path(tmp))
+        data = cls_folder(Path(tmp), imgsz) if task == "cls" else data_yaml(task, Path(tmp))
         setup = step_setup(task, imgsz, data, min(iters + 1, 8))
         for r in range(rounds + 1):
             models.append(model_only(setup, iters, amp, channels_last))
@@ -123,7 +152,7 @@ def one_case(task: str, imgsz: int, iters: int, amp: str = "off", rounds: int = 
                 break
             peak_rss_gb(reset=True)
             args = ["--cfg", cfg, "--data", str(data), "--imgsz", str(imgsz), "--amp", amp]
-            args += ["--batch-size", "16", "--workers", "2", "--epochs", "2", "--noval"]
+            args += ["--batch-size", batch, "--workers", "2", "--epochs", "2", "--noval"]
             args += ["--noautoanchor", "--log-every", "100", "--project", tmp]
             loops += train.main(train.get_args_parser().parse_args(args))["img_s"]
             rss = max(rss, peak_rss_gb())

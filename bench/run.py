@@ -5,11 +5,12 @@
 
 Sections (each also runnable alone, with more detail): bench_data.py (dataloader img/s of one
 worker process, 1 thread, next to yolov5's OpenCV pipeline), bench_train.py (train.py's loop against
-the model-only step rate with --amp off and auto, peak RSS; the model-only step in fp32 / bf16 x
-contiguous / channels_last; end to end, 3 epochs of coco128, --amp off against auto; torchrun 2x1
-against 1x2), bench_loss.py (the loss's share of a training step), bench_val.py (val.evaluate
-img/s: model + NMS + matching + AP, and the model alone, in each layout). Needs ../shared/data
-(coco128, coco128-seg, coco8). Asserts nothing: compare the yolo_min column with the last one.
+the model-only step rate with --amp off and auto, peak RSS, for det and seg at 320 (and 640) and
+classify at 224 and 64 px; the model-only step in fp32 / bf16 x contiguous / channels_last; end to
+end, 3 epochs of coco128, --amp off against auto; torchrun 2x1 against 1x2), bench_loss.py (the
+loss's share of a training step), bench_val.py (val.evaluate img/s: model + NMS + matching + AP, and
+the model alone, in each layout). Needs ../shared/data (coco128, coco128-seg, coco8). Asserts
+nothing: compare the yolo_min column with the last one.
 Timings are wall clock (the dataloader's also CPU time): run it on an otherwise idle machine.
 """
 
@@ -71,14 +72,16 @@ def measure(quick: bool) -> list[tuple[str, str, str, str]]:
         add(f"dataloader {r['mode']} img/s (cpu time)", case, f"{r['cpu']:.0f}", ref)
 
     log("training loop vs model-only step (child processes), --amp off and auto")
-    for case, amp in [(c, a) for c in cases for a in ("off", "auto")]:
+    classify = [("cls224", "auto"), ("cls64", "auto")] + [("cls224", "off")] * (not quick)
+    for case, amp in [(c, a) for c in cases for a in ("off", "auto")] + classify:
         r = bench_train.run_case(case, iters=4 if quick else 8, amp=amp)
         name, yolov5 = f"{case[:3]} {case[3:]} --amp {amp}", case == "det320" and amp == "off"
+        loop_figure = f"train loop img/s (b{64 if case[:3] == 'cls' else 16}, 2 workers)"
         if "error" in r:
-            add("train loop img/s (b16, 2 workers)", name, "failed", r["error"][-40:])
+            add(loop_figure, name, "failed", r["error"][-40:])
             continue
         loop, model = r["loop"], r["model_only"]
-        add("train loop img/s (b16, 2 workers)", name, f"{loop:.1f}", "13.3 (yolov5)" * yolov5)
+        add(loop_figure, name, f"{loop:.1f}", "13.3 (yolov5)" * yolov5)
         add("model-only img/s (fwd+loss+bwd+step)", name, f"{model:.1f}", "15.1 (yolov5)" * yolov5)
         add("loop / model-only", name, f"{loop / model:.0%}", ">= 95% (yolov5 88%)")
         rss = f"{r['rss_gb']:.2f} GB"

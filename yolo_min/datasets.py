@@ -265,8 +265,9 @@ class ClassifyDataset(ImageFolder):
         """key: an index, or (seed, epoch, index): seeds torch's random numbers, in a fork."""
         i = key[2] if isinstance(key, tuple) else key
         with torch.random.fork_rng(devices=[], enabled=isinstance(key, tuple)):
-            if isinstance(key, tuple):
-                torch.manual_seed(random.Random("%d:%d:%d" % key).getrandbits(63))
+            if isinstance(key, tuple):  # the CPU generator: torch.manual_seed costs ~0.4 ms
+                seed = random.Random("%d:%d:%d" % key).getrandbits(63)
+                torch.default_generator.manual_seed(seed)
             image, cls = super().__getitem__(i)
         sample = dict(image=image, targets=torch.tensor([[cls]]), masks=None, shape=None, index=i)
         return sample | dict(path=self.samples[i][0])
