@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import gc
 import math
 import os
 import random
@@ -423,6 +424,7 @@ def cli() -> None:
     loss or a checkpoint that cannot be written, 130 / 143 when stopped by Ctrl-C / SIGTERM."""
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:  # under torchrun SIGTERM ends a rank at once
         signal.signal(signal.SIGTERM, stop_on_sigterm)
+    gc.freeze()  # as val.cli: forked workers share torch's pages, and exiting is ~0.7 s faster
     try:
         main(get_args_parser().parse_args())
     except ConfigError as e:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import time
@@ -244,6 +245,7 @@ def run(**kwargs) -> dict:
 
 def cli(main, parser: argparse.ArgumentParser) -> None:
     """main(the command line); a bad argument, weights or file (ValueError, OSError): exit 2."""
+    gc.freeze()  # torch's millions of objects: no collection walks them again, not even at exit
     try:
         main(parser.parse_args())
     except (ValueError, OSError) as e:
