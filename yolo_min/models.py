@@ -110,10 +110,13 @@ class Detect(nn.Module):
 
     def forward(self, xs: list[torch.Tensor]):
         raw = []
-        for conv, x in zip(self.m, xs):
-            bs, _, ny, nx = x.shape
-            x = conv(x).view(bs, self.na, self.no, ny, nx)
-            raw.append(x.permute(0, 1, 3, 4, 2).contiguous())
+        # in float32 also under autocast (--amp): the logits of boxes, objectness and classes lose
+        # ~0.07 mAP50 in bfloat16 (shapes, 30 epochs: 0.886 vs 0.958); "cpu" also on meta
+        with torch.autocast("cuda" if xs[0].is_cuda else "cpu", enabled=False):
+            for conv, x in zip(self.m, xs):
+                bs, _, ny, nx = x.shape
+                x = conv(x.float()).view(bs, self.na, self.no, ny, nx)
+                raw.append(x.permute(0, 1, 3, 4, 2).contiguous())
         if self.training:
             return raw
         return torch.cat([self._decode(x, i) for i, x in enumerate(raw)], 1)
@@ -137,7 +140,10 @@ class Segment(Detect):
         self.proto = Proto(ch[0], npr, nm)
 
     def forward(self, xs: list[torch.Tensor]):
-        return super().forward(xs), self.proto(xs[0])
+        # the prototypes in float32 too, also under autocast: in bfloat16 the shapes segment job
+        # ended 0.08 mAP lower (mask mAP50 0.817 vs 0.893; with them in float32 0.881)
+        with torch.autocast("cuda" if xs[0].is_cuda else "cpu", enabled=False):
+            return super().forward(xs), self.proto(xs[0].float())
 
 
 class Classify(nn.Module):
@@ -286,13 +292,6 @@ class Model(nn.Module):
             raise ValueError(f"{where}: the last layer must be Detect, Segment or Classify")
         self.task, self.nc = TASKS[type(head)], head.nc
         self.names = self.yaml.get("names") or [str(i) for i in range(head.nc)]
-        # Under autocast (--amp) a Detect or Segment head and the layers from its first input on
-        # stay float32. In bfloat16 the shapes detect job lost 0.07 mAP50 with the head's convs
-        # (0.886 vs 0.958), the segment job 0.08 with its prototypes, and the detect job 0.016
-        # mAP50 / 0.015 mAP50-95 (means of 5 seeds) with these neck layers, which cost 4% of the
-        # bf16 step's speed in float32.
-        first_input = min(head.f) if isinstance(head.f, list) else head.i - 1
-        self.fp32_from = len(self.model) if self.task == "classify" else first_input
         if self.task != "classify":  # strides from one dummy pass; then the anchors in grid units
             with torch.no_grad():
                 out = self.forward(torch.zeros(1, 3, 256, 256))
@@ -310,17 +309,13 @@ class Model(nn.Module):
         return self.model[-1]
 
     def forward(self, x: torch.Tensor):
-        outputs, device = [], "cuda" if x.is_cuda else "cpu"  # autocast's ("cpu" also on meta)
+        outputs = []
         for m in self.model:
             if isinstance(m.f, list):
                 x = [x if j == -1 else outputs[j] for j in m.f]
             elif m.f != -1:
                 x = outputs[m.f]
-            if m.i < self.fp32_from:
-                x = m(x)
-            else:  # float32 also under autocast: see __init__
-                with torch.autocast(device, enabled=False):
-                    x = m([t.float() for t in x] if isinstance(x, list) else x.float())
+            x = m(x)
             outputs.append(x if m.i in self.reused else None)
         return x
 
