@@ -23,7 +23,7 @@ from yolo_min.plots import draw_batch
 # the official COCO category ids of the 80 YOLO classes (COCO numbers 91, 11 of them unused)
 COCO91_IDS = [i for i in range(1, 91) if i not in (12, 26, 29, 30, 45, 66, 68, 69, 71, 83)]
 MASK_CHUNK = 32  # masks assembled at once at full resolution (bounds memory)
-AMP_HELP = "mixed precision: auto (CUDA fp16, CPU bf16 where native), on, off (exact fp32)"
+AMP_HELP = "auto: fp16 on CUDA, bf16 on a CPU with it (predict.py: fp32); on; off: exact fp32"
 VAL_NMS = dict(conf_thres=0.001, iou_thres=0.6, multi_label=True, max_det=300)  # yolov5's val.py
 STAGES = ("preprocess", "inference", "nms")  # the "speed" of evaluate and predict, ms per image
 

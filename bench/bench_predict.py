@@ -1,6 +1,7 @@
 """predict.py speed on the 128 images of coco128: end to end next to the model-only inference rate.
 
     python bench/bench_predict.py [--sizes 640 320] [--batch 8] [--workers 2] [--repeat 1]
+                                  [--amp auto]
 
 End to end: `python predict.py --weights W --source coco128/images/train2017 --imgsz S` in a child
 process (batch 1, then --batch-size B --workers N), timed from launch to exit: imports, model load,
@@ -35,11 +36,12 @@ SHARED = ROOT.parent / "shared"
 YOLOV5_WALL_640, YOLOV5_INFER_640 = 11.1, 40.9  # s for the 128 images, ms per image
 
 
-def end_to_end(weights: str, source: str, imgsz: int, batch: int, workers: int) -> dict:
+def end_to_end(weights: str, source: str, imgsz: int, batch: int, workers: int, amp: str) -> dict:
     """predict.py in a child process -> {"wall" s, "cpu" s, "speed" (its Speed line, ms)}."""
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, str(ROOT / "predict.py"), "--weights", weights, "--source", source]
         cmd += ["--imgsz", str(imgsz), "--batch-size", str(batch), "--workers", str(workers)]
+        cmd += ["--amp", amp]
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         t = time.perf_counter()
         out = subprocess.run(cmd + ["--project", tmp], capture_output=True, text=True, check=True)
@@ -54,15 +56,18 @@ def end_to_end(weights: str, source: str, imgsz: int, batch: int, workers: int) 
 
 
 @torch.inference_mode()
-def model_only(model, inputs: dict, batch: int) -> tuple[float, float]:
+def model_only(model, inputs: dict, batch: int, amp: str) -> tuple[float, float]:
     """(images/s, CPU ms per image) of the model's forward over the letterboxed inputs (grouped
-    by shape), after a warm-up batch of each shape."""
+    by shape), after a warm-up batch of each shape, as predict.py runs it on a CPU: --amp off
+    fp32, auto fp32 in channels_last, on bf16 autocast in channels_last."""
     groups = [v[i : i + batch] for v in inputs.values() for i in range(0, len(v), batch)]
+    model.to(memory_format=torch.contiguous_format if amp == "off" else torch.channels_last)
+    forward = torch.autocast("cpu", torch.bfloat16, enabled=amp == "on")(model)
     for v in inputs.values():
-        model(torch.stack(v[:batch]).float() / 255)
+        forward(torch.stack(v[:batch]).float() / 255)
     t, cpu = time.perf_counter(), time.process_time()
     for g in groups:
-        model(torch.stack(g).float() / 255)
+        forward(torch.stack(g).float() / 255)
     n = sum(map(len, groups))
     return n / (time.perf_counter() - t), (time.process_time() - cpu) * 1000 / n
 
@@ -75,10 +80,12 @@ def main():
     ap.add_argument("--batch", type=int, default=8, help="the batched case's --batch-size")
     ap.add_argument("--workers", type=int, default=2, help="the batched case's --workers")
     ap.add_argument("--repeat", type=int, default=1, help="runs of each case (the best is kept)")
+    ap.add_argument("--amp", choices=["auto", "on", "off"], default="auto", help="predict.py's")
     args = ap.parse_args()
     model = load_model(args.weights).fuse()
     files = predict.find_images(args.source)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {len(files)} images")
+    threads = f"{torch.get_num_threads()} threads, --amp {args.amp}"
+    print(f"torch {torch.__version__}, {threads}, {len(files)} images")
     head = (
         f"{'imgsz':>5} {'batch':>5} {'wall s':>7} {'img/s':>6} {'cpu s':>6} {'pre/inf/nms ms':>16}"
     )
@@ -92,8 +99,8 @@ def main():
             for _ in range(args.repeat):
                 runs.append(
                     (
-                        model_only(model, inputs, batch),
-                        end_to_end(args.weights, args.source, imgsz, batch, workers),
+                        model_only(model, inputs, batch, args.amp),
+                        end_to_end(args.weights, args.source, imgsz, batch, workers, args.amp),
                     )
                 )
             rate, cpu_ms = max(r[0] for r in runs)

@@ -74,7 +74,7 @@ def cls_folder(folder: Path, imgsz: int) -> Path:
     return folder / "cls"
 
 
-def step_setup(task: str, imgsz: int, data: Path, n_batches: int):
+def step_setup(task: str, imgsz: int, data: Path, n_batches: int, batch: int = 16):
     """(model, criterion, optimizer, scaler, batches): what model_only steps through."""
     import train
     from yolo_min.datasets import ClassifyDataset, YOLODataset, build_dataloader, load_data_config
@@ -96,10 +96,10 @@ def step_setup(task: str, imgsz: int, data: Path, n_batches: int):
     crit = YOLOLoss(model, scale_hyp(hyp, 80, imgsz))
     opt = train.build_optimizer(model, 0.01, 0.937, 5e-4)
     scaler = torch.amp.GradScaler("cuda", enabled=False)
-    kw = dict(augment=True, hyp=hyp, batch_size=16, nc=80, verbose=False)
+    kw = dict(augment=True, hyp=hyp, batch_size=batch, nc=80, verbose=False)
     kw |= dict(task="segment" if task == "seg" else "detect")
     ds = YOLODataset(load_data_config(str(data))["train"], imgsz, **kw)
-    batches = [b for _, b in zip(range(n_batches), build_dataloader(ds, 16, 0)[0])]
+    batches = [b for _, b in zip(range(n_batches), build_dataloader(ds, batch, 0)[0])]
     return model, crit, opt, scaler, batches
 
 

@@ -1,6 +1,7 @@
 """Shared test fixtures: paths to ../shared (skipping with a reason when it is absent), and small
 generated datasets (tiny, small_shapes) for fast end-to-end runs."""
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -11,6 +12,13 @@ ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
 FIXTURES = SHARED / "fixtures" / "yolov5"
 DATA = SHARED / "data"
+
+
+def pytest_configure(config):
+    """The suite runs on the CPU wherever it runs (its runs use the default device, a GPU where
+    there is one, and its 2-rank runs gloo); `pytest -m cuda` runs tests/test_cuda.py on a GPU."""
+    if config.getoption("markexpr") != "cuda":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 
 def need(path: Path) -> Path:

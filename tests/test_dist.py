@@ -16,6 +16,7 @@ sys.path.insert(0, str(ROOT))
 
 import train  # noqa: E402
 from val import evaluate  # noqa: E402
+from yolo_min import dist  # noqa: E402
 from yolo_min.checkpoint import load_model  # noqa: E402
 from yolo_min.datasets import YOLODataset, build_dataloader, load_data_config  # noqa: E402
 
@@ -124,6 +125,22 @@ def test_ddp_step_equals_single_process(task, amp):
 
 
 @pytest.mark.slow
+def test_more_ranks_than_gpus_is_one_line(monkeypatch):
+    """torchrun --nproc_per_node 2 on a node with one GPU: every rank stops before the process
+    group with the same ValueError (train.py, val.py, predict.py: exit 2, said by rank 0)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    for rank in (0, 1):
+        env = dict(RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=2, LOCAL_WORLD_SIZE=2)
+        for k, v in env.items():
+            monkeypatch.setenv(k, str(v))
+        with pytest.raises(ValueError, match="torchrun started 2 processes on a node with 1 GPU"):
+            dist.setup("")
+        with pytest.raises(train.ConfigError, match="--nproc_per_node 1, or --device cpu"):
+            train.main(train.get_args_parser().parse_args([]))
+    assert not torch.distributed.is_initialized()
+
+
 def test_two_nodes_on_loopback(tmp_path, small_shapes):
     """torchrun --nnodes 2 --node_rank 0/1 --master_addr 127.0.0.1, one process per "node"."""
 

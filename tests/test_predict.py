@@ -58,8 +58,8 @@ def agreement(ours: Path, ref: Path, images: Path) -> dict:
                     continue
                 if poly is None:
                     scores[k] = ops.box_iou(*torch.tensor(np.stack([box, box2]))[:, None]).item()
-                elif box is None:
-                    scores[k] = 1.0
+                elif box is None or poly2 is None or box2 is None:  # ours empty or 2 points
+                    scores[k] = float(box is None)  # an empty reference: class and conf only
                 else:
                     m = ops.polygons_to_masks([poly + 0.5, poly2 + 0.5], (h, w))
                     scores[k] = ops.mask_iou(m[:1], m[1:]).item()

@@ -99,12 +99,20 @@ def set_rng_state(state: dict) -> None:
 
 
 def training_state(model, ema, optimizer, scaler, epoch, best, args, hyp, rngs) -> dict:
-    """All a run needs to continue; epoch: the last finished (0-based), best: (fitness, epoch)."""
+    """All a run needs to continue; epoch: the last finished (0-based), best: (fitness, epoch).
+    Its tensors are on the CPU: a file written on a GPU loads anywhere with torch.load."""
     state = {"model_cfg": model.yaml, "names": list(model.names), "task": model.task}
-    state |= {"model": model.state_dict(), "ema": ema.ema.state_dict(), "ema_updates": ema.updates}
-    state |= {"optimizer": optimizer.state_dict(), "scaler": scaler.state_dict()}
+    state |= {"model": _cpu(model.state_dict()), "ema": _cpu(ema.ema.state_dict())}
+    state |= {"optimizer": _cpu(optimizer.state_dict()), "scaler": scaler.state_dict()}
+    state |= {"ema_updates": ema.updates}
     state |= {"epoch": epoch, "best_fitness": best[0], "best_epoch": best[1]}
     return state | {"args": vars(args), "hyp": hyp, "rng": {"world_size": len(rngs), "ranks": rngs}}
+
+
+def _cpu(state: dict) -> dict:
+    """A (nested) state_dict with its tensors on the CPU."""
+    cpu = {k: _cpu(v) if isinstance(v, dict) else v for k, v in state.items()}
+    return {k: v.cpu() if torch.is_tensor(v) else v for k, v in cpu.items()}
 
 
 def restore(ckpt: dict, model, ema, optimizer, scaler, rank: int, world_size: int) -> bool:

@@ -45,8 +45,12 @@ def setup(device: str = "") -> DistInfo:
     the process group too (nccl on CUDA, gloo on CPU)."""
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    local_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     dev = select_device(device)
     if world_size > 1 and dev.type == "cuda":
+        if (n := torch.cuda.device_count()) < local_size:  # every rank stops; rank 0 says why
+            why = f"torchrun started {local_size} processes on a node with {n} GPU(s)"
+            raise ValueError(f"{why}: --nproc_per_node {n}, or --device cpu")
         dev = torch.device("cuda", local_rank)  # under torchrun each rank owns one GPU
         torch.cuda.set_device(dev)
     if world_size > 1 and not dist.is_initialized():
@@ -59,7 +63,7 @@ def setup(device: str = "") -> DistInfo:
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         store = dist.PrefixStore(f"yolo_min/attempt{attempt}", store)
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", store=store, **kw)
-    return DistInfo(rank, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), dev)
+    return DistInfo(rank, world_size, local_size, dev)
 
 
 def torchrun_id() -> str | None:
