@@ -11,7 +11,7 @@ OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 PY=$(command -v python3 || command -v python)
-[ -e ../shared ] || ln -s "$PWD/shared" ../shared
+[ -e ../shared ] || [ ! -d shared ] || ln -s "$PWD/shared" ../shared  # a device copy
 if ! $PY -c "import pycocotools" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
     $PY -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
     export PYTHONPATH=/tmp/site
