@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check, in one run of about 6 minutes on one CUDA GPU: the tests marked cuda, then
+# The GPU check, in one run of 4-7 minutes on one CUDA GPU: the tests marked cuda, then
 # bench/bench_gpu.py (YOLOv5n and YOLOv5n-seg trained on coco128 at 640 with AMP, validated and
 # run by predict.py), then the whole test suite on that machine. Logs and the table go to $OUT.
 #   OUT=/tmp/gpu bash bench/gpu_check.sh
