@@ -20,43 +20,19 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
-from bench_train import DATA, step_setup  # noqa: E402
+from bench_train import DATA, model_only, step_setup  # noqa: E402
 
 from yolo_min import dist  # noqa: E402
-
-
-def model_only(setup, device, amp: str, iters: int = 16, channels_last=None) -> float:
-    """img/s of train.py's step on the pre-made batches, the model already on device; the layout
-    as train.py picks it (channels_last under autocast) unless channels_last is given."""
-    import train
-    from yolo_min.models import amp_dtype
-
-    model, crit, opt, _, batches = setup
-    dtype = amp_dtype(device, amp)
-    channels_last = dtype is not None if channels_last is None else channels_last
-    model.to(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
-    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-    for k in range(iters + 1):
-        if k == 1:
-            sync(device)
-            t0 = time.perf_counter()
-        loss, _ = train.forward_loss(model, crit, batches[k % len(batches)], device, dtype)
-        scaler.scale(loss).backward()
-        train.optimizer_step(model, opt, scaler, None)
-    sync(device)
-    return iters * len(batches[0]["images"]) / (time.perf_counter() - t0)
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+from yolo_min.models import amp_dtype  # noqa: E402
 
 
 def data_yaml(task: str, folder: Path) -> Path:
-    seg = "-seg" if task == "seg" else ""
-    text = (DATA / f"coco128{seg}.yaml").read_text().replace(f"path: coco128{seg}", "path: .")
-    path = folder / f"coco128{seg}.yaml"
-    path.write_text(text.replace("path: .", f"path: {DATA / f'coco128{seg}'}"))
+    """coco128(-seg).yaml with its path made absolute (train and val: the same 128 images)."""
+    name = "coco128-seg" if task == "seg" else "coco128"
+    path = folder / f"{name}.yaml"
+    path.write_text(
+        (DATA / f"{name}.yaml").read_text().replace(f"path: {name}", f"path: {DATA / name}")
+    )
     return path
 
 
@@ -64,15 +40,13 @@ def one_task(task: str, device: torch.device, epochs: int, tmp: Path, imgsz=640)
     import predict
     import train
     import val
-    from yolo_min.losses import YOLOLoss, scale_hyp
 
     data, cfg = data_yaml(task, tmp), "yolov5n-seg.yaml" if task == "seg" else "yolov5n.yaml"
     row = {"task": task}
-    model, _, opt, _, batches = step_setup(task, imgsz, data, 8)
-    hyp = scale_hyp(train.load_hyp(""), 80, imgsz)  # the loss built for the model on the GPU
-    setup = (model.to(device), YOLOLoss(model, hyp), opt, None, batches)
+    setup = step_setup(task, imgsz, data, 8, device=device)
     for amp in ("off", "auto"):  # float32 (TF32 convolutions, torch's default) and fp16
-        row[f"model_only_{amp}"] = model_only(setup, device, amp)
+        layout = amp_dtype(device, amp) is not None  # channels_last under autocast, as train.py
+        row[f"model_only_{amp}"] = model_only(setup, 16, amp, layout, device)
     del setup
     cuda = device.type == "cuda"
     if cuda:
@@ -107,17 +81,12 @@ def one_task(task: str, device: torch.device, epochs: int, tmp: Path, imgsz=640)
 
 def layouts(task: str, device: torch.device, tmp: Path, imgsz: int, batch: int) -> dict:
     """Model-only img/s of fp32 / fp16 autocast x contiguous / channels_last (best of 2 rounds)."""
-    import train
-    from yolo_min.losses import YOLOLoss, scale_hyp
-
-    model, _, opt, _, batches = step_setup(task, imgsz, data_yaml(task, tmp), 4, batch)
-    hyp = scale_hyp(train.load_hyp(""), 80, imgsz)
-    setup = (model.to(device), YOLOLoss(model, hyp), opt, None, batches)
+    setup = step_setup(task, imgsz, data_yaml(task, tmp), 4, batch, device)
     rates = {}
     for _ in range(2):
         for amp, channels_last in (("off", False), ("off", True), ("auto", False), ("auto", True)):
             name = f"{'fp16' if amp == 'auto' else 'fp32'}{' CL' if channels_last else ''}"
-            rate = model_only(setup, device, amp, 8, channels_last)
+            rate = model_only(setup, 8, amp, channels_last, device)
             rates[name] = max(rates.get(name, 0.0), rate)
     return {"case": f"{task}{imgsz} b{batch}"} | rates
 

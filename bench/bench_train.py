@@ -74,8 +74,8 @@ def cls_folder(folder: Path, imgsz: int) -> Path:
     return folder / "cls"
 
 
-def step_setup(task: str, imgsz: int, data: Path, n_batches: int, batch: int = 16):
-    """(model, criterion, optimizer, scaler, batches): what model_only steps through."""
+def step_setup(task: str, imgsz: int, data: Path, n_batches: int, batch=16, device="cpu"):
+    """(model on device, criterion, optimizer, batches): what model_only steps through."""
     import train
     from yolo_min.datasets import ClassifyDataset, YOLODataset, build_dataloader, load_data_config
     from yolo_min.losses import ClassifyLoss, YOLOLoss, scale_hyp
@@ -84,40 +84,45 @@ def step_setup(task: str, imgsz: int, data: Path, n_batches: int, batch: int = 1
     torch.manual_seed(0)
     if task == "cls":  # classify/train.py's recipe: Adam, label smoothing, batch 64
         hyp = train.load_hyp("", "classify")
-        model = Model("yolov5n-cls.yaml", nc=3).train()
+        model = Model("yolov5n-cls.yaml", nc=3).to(device).train()
         crit = ClassifyLoss(label_smoothing=hyp["label_smoothing"])
         opt = train.build_optimizer(model, hyp["lr0"], hyp["momentum"], 5e-5, "Adam")
-        scaler = torch.amp.GradScaler("cuda", enabled=False)
         ds = ClassifyDataset(Path(data) / "train", imgsz, augment=True, verbose=False)
         batches = [b for _, b in zip(range(n_batches), build_dataloader(ds, 64, 0)[0])]
-        return model, crit, opt, scaler, batches
+        return model, crit, opt, batches
     hyp = train.load_hyp("")
-    model = Model("yolov5n-seg.yaml" if task == "seg" else "yolov5n.yaml", nc=80).train()
+    cfg = "yolov5n-seg.yaml" if task == "seg" else "yolov5n.yaml"
+    model = Model(cfg, nc=80).to(device).train()  # on device first: the loss keeps its tensors
     crit = YOLOLoss(model, scale_hyp(hyp, 80, imgsz))
     opt = train.build_optimizer(model, 0.01, 0.937, 5e-4)
-    scaler = torch.amp.GradScaler("cuda", enabled=False)
     kw = dict(augment=True, hyp=hyp, batch_size=batch, nc=80, verbose=False)
     kw |= dict(task="segment" if task == "seg" else "detect")
     ds = YOLODataset(load_data_config(str(data))["train"], imgsz, **kw)
     batches = [b for _, b in zip(range(n_batches), build_dataloader(ds, batch, 0)[0])]
-    return model, crit, opt, scaler, batches
+    return model, crit, opt, batches
 
 
-def model_only(setup, iters: int, amp: str = "off", channels_last: bool = False) -> float:
+def model_only(setup, iters: int, amp="off", channels_last=False, device="cpu") -> float:
     """img/s of forward + loss + backward + step on pre-made batches (one warm-up step first), the
-    forward under train.py's autocast for --amp `amp`, the model in channels_last or not."""
+    forward under train.py's autocast for --amp `amp` on device (CUDA: fp16 with a GradScaler),
+    the model in channels_last or not."""
     import train
     from yolo_min.models import amp_dtype
 
-    model, crit, opt, scaler, batches = setup
+    model, crit, opt, batches = setup
     model.to(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
-    dtype, cpu = amp_dtype(torch.device("cpu"), amp), torch.device("cpu")
+    device = torch.device(device)
+    dtype = amp_dtype(device, amp)
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
     for k in range(iters + 1):
         if k == 1:
+            sync()
             t0 = time.perf_counter()
-        loss, _ = train.forward_loss(model, crit, batches[k % len(batches)], cpu, dtype)
+        loss, _ = train.forward_loss(model, crit, batches[k % len(batches)], device, dtype)
         scaler.scale(loss).backward()
         train.optimizer_step(model, opt, scaler, None)
+    sync()
     return iters * len(batches[0]["images"]) / (time.perf_counter() - t0)
 
 
