@@ -5,7 +5,6 @@ CPU and yolov5, and SyncBatchNorm in a one-rank process group. Tolerances are st
 what was measured on an H200 is in README's GPU section."""
 
 import copy
-import csv
 from pathlib import Path
 
 import pytest
@@ -13,6 +12,7 @@ import torch
 import torch.distributed as torch_dist
 import torch.nn as nn
 from test_predict import agreement
+from test_train import read_csv
 
 import predict
 import train
@@ -87,11 +87,6 @@ def test_fp16_step_agrees_with_float32(data_dir, task):
     for a, b in ((cpu_items, fp32), (fp32, fp16)):
         assert a.keys() == b.keys() and all(b[k] == pytest.approx(a[k], rel=0.01) for k in a)
     assert min(cosines) > 0.95
-
-
-def read_csv(path: Path) -> list[dict]:
-    with open(path) as f:
-        return list(csv.DictReader(f))
 
 
 @pytest.mark.slow
