@@ -124,7 +124,6 @@ def test_ddp_step_equals_single_process(task, amp):
     assert moved > 1e-4 and diff < (1e-5 if amp == "off" else AMP_TOL * moved), (diff, moved)
 
 
-@pytest.mark.slow
 def test_more_ranks_than_gpus_is_one_line(monkeypatch):
     """torchrun --nproc_per_node 2 on a node with one GPU: every rank stops before the process
     group with the same ValueError (train.py, val.py, predict.py: exit 2, said by rank 0)."""
@@ -141,6 +140,7 @@ def test_more_ranks_than_gpus_is_one_line(monkeypatch):
     assert not torch.distributed.is_initialized()
 
 
+@pytest.mark.slow
 def test_two_nodes_on_loopback(tmp_path, small_shapes):
     """torchrun --nnodes 2 --node_rank 0/1 --master_addr 127.0.0.1, one process per "node"."""
 
