@@ -335,7 +335,7 @@ def fit(args, info) -> dict:
         dist.print0(f"Resuming {save_dir} at epoch {start + 1}/{args.epochs}")
     where = f"{info.world_size} rank(s) on {info.device.type}, batch {args.batch_size}"
     dist.print0(f"{task} training: {where}, {args.epochs} epochs, in {save_dir}")
-    t_start, img_s, epoch = time.time(), [], start - 1
+    t_start, img_s, epoch, metrics = time.time(), [], start - 1, None
     for epoch in range(start, args.epochs):
         loader.sampler.set_epoch(epoch)
         step = (model, criterion, optimizer, scaler, ema, loader, epoch, args, hyp, save_dir)
@@ -344,7 +344,8 @@ def fit(args, info) -> dict:
         metrics = None
         if epoch + 1 == args.epochs or not args.noval:  # BN buffers differ between DDP ranks:
             dist.broadcast_tensors(ema.ema.state_dict().values())  # all validate rank 0's EMA
-            metrics = evaluate(ema.ema, val_loader, val_loader.dataset, amp=amp)
+            plots = save_dir if epoch + 1 == args.epochs else None  # as the final validation's
+            metrics = evaluate(ema.ema, val_loader, val_loader.dataset, plots_dir=plots, amp=amp)
             best = max(best, (metrics["fitness"], epoch))  # equal fitness: the later epoch
         stop = metrics and args.patience and epoch - best[1] >= args.patience
         rngs = dist.all_gather_object(checkpoint.rng_state())
@@ -362,7 +363,9 @@ def fit(args, info) -> dict:
             dist.print0(f"Early stop: no improvement in {args.patience} epochs, {best_epoch}")
             break
     dist.print0(f"{epoch + 1 - start} epochs in {(time.time() - t_start) / 3600:.3f} hours")
-    metrics = final_validation(ema, val_loader, save_dir, amp)
+    if best[1] != epoch or not metrics:  # best.pt is not the model validated last
+        metrics = final_validation(ema, val_loader, save_dir, amp)
+    dist.print0(format_table(metrics, ema.ema.names) + f"\nResults saved to {save_dir}")
     out = dict(save_dir=str(save_dir), epochs=epoch + 1, best_fitness=best[0], metrics=metrics)
     return out | dict(img_s=img_s)
 
@@ -397,9 +400,7 @@ def final_validation(ema: ModelEMA, loader, save_dir: Path, amp) -> dict:
     path = weights / "best.pt" if (weights / "best.pt").is_file() else weights / "last.pt"
     dist.print0(f"Validating {path}")
     ema.ema.load_state_dict(dist.run_on_main(lambda: checkpoint.load(path)["ema"]))
-    metrics = evaluate(ema.ema, loader, loader.dataset, plots_dir=save_dir, amp=amp)
-    dist.print0(format_table(metrics, ema.ema.names) + f"\nResults saved to {save_dir}")
-    return metrics
+    return evaluate(ema.ema, loader, loader.dataset, plots_dir=save_dir, amp=amp)
 
 
 def main(args: argparse.Namespace) -> dict:

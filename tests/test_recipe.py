@@ -236,8 +236,11 @@ def test_patience_stops_when_fitness_stops_improving(tiny, tmp_path, capsys):
             break
     assert stop is not None, f"fitness never fell for 2 epochs; the test needs a new setup: {fit}"
     assert len(rows) == stop + 1 < 8 and out["epochs"] == stop + 1
-    early = [ln for ln in capsys.readouterr().out.splitlines() if "Early stop" in ln]
+    lines = capsys.readouterr().out.splitlines()
+    early = [ln for ln in lines if "Early stop" in ln]
     assert len(early) == 1 and f"epoch {best + 1}" in early[0], early
+    assert any(ln.startswith("Validating") and ln.endswith("best.pt") for ln in lines)
+    assert out["metrics"]["fitness"] == pytest.approx(fit[best])  # best.pt validated again
 
 
 @pytest.mark.slow

@@ -276,6 +276,7 @@ def test_two_epochs_on_coco8(tmp_path, data_dir, cfg, data):
     assert all(math.isfinite(float(v)) for r in rows for v in r.values())
     assert {k[-2] for k in out["metrics"]["metrics"]} == ({"B", "M"} if "seg" in cfg else {"B"})
     assert set(out["metrics"]) >= {"metrics", "fitness", "images", "instances"}
+    assert (run / "val_batch0_pred.jpg").is_file()
     ckpt = torch.load(run / "weights" / "last.pt", weights_only=True)
     assert ckpt["epoch"] == 1 and ckpt["task"] == ("segment" if "seg" in cfg else "detect")
     assert ckpt["names"][0] == "person"
@@ -285,6 +286,20 @@ def test_two_epochs_on_coco8(tmp_path, data_dir, cfg, data):
     assert (
         checkpoint.make_run_dir(args_for(tmp_path), {}, None, 0).name == "exp2"
     )  # the next run increments
+
+
+@pytest.mark.slow
+def test_final_table_is_best_pt(tmp_path, small_shapes, fixtures_dir, capsys):
+    """When best.pt is the last epoch's model, train.py reports that epoch's validation (and its
+    plots) instead of validating best.pt again: val.py on best.pt scores exactly the same."""
+    weights = str(fixtures_dir / "predict" / "det.pt")  # yolov5-trained on shapes: mAP is not 0
+    args = ("--data", small_shapes, "--weights", weights, "--imgsz", "128", "--batch-size", "8")
+    out = train.main(args_for(tmp_path, *args, "--epochs", "1", "--noautoanchor"))
+    run = Path(out["save_dir"])
+    assert "Validating" not in capsys.readouterr().out and (run / "val_batch0_pred.jpg").is_file()
+    kw = dict(data=small_shapes, imgsz=128, batch_size=16, workers=0, project=str(tmp_path))
+    again = val.run(weights=str(run / "weights" / "best.pt"), **kw)
+    assert again["metrics"] == out["metrics"]["metrics"] and again["metrics"]["mAP50(B)"] > 0.5
 
 
 @pytest.mark.slow
