@@ -298,6 +298,12 @@ class EpochSampler(DistributedSampler):
         return ((self.seed, self.epoch, i) for i in super().__iter__())
 
 
+def yield_cpu(worker_id: int) -> None:
+    """Data workers at the lowest priority: where the cores are few, a worker preempting one of
+    the step's OpenMP threads stalls them all; at nice 19 workers fill the step's idle moments."""
+    os.nice(19)
+
+
 def build_dataloader(
     dataset, batch_size, workers=8, shuffle=True, rank=0, world_size=1, seed=0, local_world_size=1
 ) -> tuple:
@@ -305,6 +311,7 @@ def build_dataloader(
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     workers = min(workers, max(cpus // local_world_size, 1))
     kw = dict(collate_fn=collate, num_workers=workers, persistent_workers=workers > 0)
+    kw["worker_init_fn"] = yield_cpu
     kw["pin_memory"] = torch.cuda.is_available()
     if shuffle:
         sampler = EpochSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed)
