@@ -116,7 +116,8 @@ class Detect(nn.Module):
             for conv, x in zip(self.m, xs):
                 bs, _, ny, nx = x.shape
                 x = conv(x.float()).view(bs, self.na, self.no, ny, nx)
-                raw.append(x.permute(0, 1, 3, 4, 2).contiguous())
+                x = x.permute(0, 1, 3, 4, 2)  # channels_last (--amp) is laid out so: no copy
+                raw.append(x if x.stride(-1) == 1 else x.contiguous())
         if self.training:
             return raw
         return torch.cat([self._decode(x, i) for i, x in enumerate(raw)], 1)
