@@ -155,28 +155,31 @@ class YOLOLoss:
         order = torch.argsort(b, stable=True)  # group the positives by image: one matmul per image
         b, coefs, idx, xywhn, level = b[order], coefs[order], idx[order], xywhn[order], level[order]
         # Only the pixels inside the box count, and a box is a small part of the map: list them
-        # as (positive p, pixel pix) pairs instead of a BCE over every map. Pixel column c is in
-        # the box iff x1 <= c < x2, i.e. ceil(x1) <= c < ceil(x2) (likewise rows), x1 = x - w/2.
+        # as (positive p, pixel) pairs instead of a BCE over every map. Pixel column c is in the
+        # box iff x1 <= c < x2, i.e. ceil(x1) <= c < ceil(x2) (likewise rows), x1 = x - w/2.
         x, y, w, h = (xywhn * xywhn.new_tensor([mw, mh, mw, mh])).unbind(1)  # box in proto pixels
         c0, c1 = ((x - w / 2).ceil().clamp(0, mw).long(), (x + w / 2).ceil().clamp(0, mw).long())
         r0, r1 = ((y - h / 2).ceil().clamp(0, mh).long(), (y + h / 2).ceil().clamp(0, mh).long())
-        bw, hw = (c1 - c0).clamp(min=0), mh * mw
-        cnt = bw * (r1 - r0).clamp(min=0)  # pixels per box
-        p = torch.repeat_interleave(torch.arange(len(b), device=b.device), cnt)  # pair -> positive
-        q = torch.arange(len(p), device=b.device) - (cnt.cumsum(0) - cnt)[p]  # place within its box
-        w_p = bw[p]
-        row = q // w_p  # (row, column) within the box, row-major
-        pix = q + row * (mw - w_p) + (r0 * mw + c0)[p]  # pixel index in the map
+        bw, bh, hw = (c1 - c0).clamp(min=0), (r1 - r0).clamp(min=0), mh * mw
+        # built per box row (a run of bw pixels): a few passes over the pairs, not one per step
+        run = torch.repeat_interleave(torch.arange(len(b), device=b.device), bh)  # -> positive
+        row = torch.arange(len(run), device=b.device) - (bh.cumsum(0) - bh)[run] + r0[run]
+        run_w, pixel0 = bw[run], row * mw + c0[run]  # the run's width and first pixel in the map
+        run_first = run_w.cumsum(0) - run_w  # the run's first pair
+        pair_run = torch.repeat_interleave(run_w)  # pair -> its run
+        pairs = torch.arange(len(pair_run), device=b.device)
+        along = lambda v: (v - run_first)[pair_run] + pairs  # noqa: E731  a run's v, + place in it
+        p = run[pair_run]  # pair -> positive
         pos_per_img = torch.bincount(b, minlength=bs)
         first = pos_per_img.cumsum(0) - pos_per_img  # each image's first positive
-        pairs_per_img = cnt.new_zeros(bs).index_add(0, b, cnt).tolist()
-        at = ((p - first[b[p]]) * hw + pix).split(pairs_per_img)  # in its image's (npos, hw) maps
+        pairs_per_img = (bw * bh).new_zeros(bs).index_add(0, b, bw * bh).tolist()
+        at = along((run - first[b[run]]) * hw + pixel0).split(pairs_per_img)  # in (npos_i, hw)
         per_image = protos.view(bs, nm, -1).unbind(0)  # one backward for all images, not one each
         parts = zip(coefs.split(pos_per_img.tolist()), per_image, at)
         logits = [(c @ protos_i).view(-1)[a] for c, protos_i, a in parts if len(a)]
         per_pos = torch.zeros_like(x)
         if logits:
-            gt = masks.reshape(-1)[(b * hw)[p] + pix] == idx[p]
+            gt = masks.reshape(-1)[along(b[run] * hw + pixel0)] == idx[p]
             bce = F.binary_cross_entropy_with_logits
             per_pair = bce(torch.cat(logits), gt.to(protos.dtype), reduction="none")
             per_pos = per_pos.index_add(0, p, per_pair.float())
