@@ -15,11 +15,14 @@ Prints img/s of both, their ratio and the peak RSS of the training process durin
 nothing. Figures on a shared machine move by +-7% between runs: --repeat N runs each case N times.
 --layouts: model-only only, fp32 / bf16 x contiguous / channels_last, interleaved in one process.
 --e2e: end to end, `train.py` as a user runs it (3 epochs of coco128 det at 320, batch 16, 2
-workers, validation and checkpoints), --amp off against auto, alternating, wall time of each.
+workers, validation and checkpoints), --amp off against auto, alternating, wall time of each
+(--repeat rounds); --yolov5 DIR adds yolov5's own train.py, same job, to the alternation (run it
+with a Python that has yolov5's requirements; offline, yolov5 wants a font: any .ttf copied to
+~/.config/Ultralytics/Arial.ttf).
 --ddp adds det at 320 under torchrun, 2 processes x 1 thread (1 worker each), against 1 x 2 threads.
 
     python bench/bench_train.py [--cases det320 seg320 det640 seg640 cls224 cls64] [--amp off auto]
-                                [--iters 8] [--repeat 1] [--layouts] [--e2e] [--ddp]
+                                [--iters 8] [--repeat 1] [--layouts] [--e2e [--yolov5 DIR]] [--ddp]
 """
 
 import argparse
@@ -185,23 +188,34 @@ def run_case(case: str, iters: int = 8, amp: str = "off", layouts: bool = False)
     return json.loads(line[7:]) if line else {"case": case, "error": r.stderr[-500:]}
 
 
-def end_to_end(amps=("off", "auto"), rounds: int = 1, epochs: int = 3) -> dict:
+def end_to_end(amps=("off", "auto"), rounds: int = 1, epochs: int = 3, yolov5=None) -> dict:
     """Wall time (s) of `python train.py --data coco128.yaml --imgsz 320 --batch-size 16
     --workers 2 --epochs 3 --amp X` for each X (alternating, `rounds` times): {X: [seconds...],
-    "errors": [...]}. Everything a user waits for: start-up, AutoAnchor, epochs, validation."""
+    "errors": [...]}. Everything a user waits for: start-up, AutoAnchor, epochs, validation.
+    yolov5: a yolov5 checkout, whose train.py (CPU: fp32) joins the alternation as "yolov5"."""
     out = {"errors": [], **{a: [] for a in amps}}
     with tempfile.TemporaryDirectory() as tmp:
-        common = [sys.executable, "train.py", "--data", str(DATA / "coco128.yaml"), "--imgsz"]
-        common += ["320", "--batch-size", "16", "--workers", "2", "--epochs", str(epochs)]
+        data = Path(tmp) / "coco128.yaml"  # yolov5 reads a relative path from its own datasets/
+        data.write_text(
+            f"path: {DATA / 'coco128'}\ntrain: images/train2017\nval: images/train2017\n"
+            + "names:"
+            + (DATA / "coco128.yaml").read_text().split("names:", 1)[1]
+        )
+        common = ["train.py", "--data", str(data), "--imgsz", "320", "--batch-size", "16"]
+        common += ["--workers", "2", "--epochs", str(epochs)]
+        runs = {a: (ROOT, ["--amp", a]) for a in amps}
+        if yolov5:  # from scratch, as ours; yolov5 trains in fp32 on a CPU
+            runs["yolov5"] = (yolov5, ["--cfg", "yolov5n.yaml", "--weights", "", "--device", "cpu"])
+            out["yolov5"] = []
         for r in range(rounds):
-            for amp in amps:
-                cmd = [*common, "--amp", amp, "--project", tmp, "--name", f"{amp}{r}"]
+            for name, (cwd, extra) in runs.items():
+                cmd = [sys.executable, *common, *extra, "--project", tmp, "--name", f"{name}{r}"]
                 t0 = time.perf_counter()
-                p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+                p = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True)
                 if p.returncode:
-                    out["errors"].append(f"--amp {amp}: {p.stderr[-300:]}")
+                    out["errors"].append(f"{name}: {p.stderr[-300:]}")
                 else:
-                    out[amp].append(time.perf_counter() - t0)
+                    out[name].append(time.perf_counter() - t0)
     return out
 
 
@@ -231,12 +245,13 @@ def ddp_compare() -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--cases", nargs="+", default=["det320", "seg320", "det640", "seg640"])
+    p.add_argument("--cases", nargs="*", default=["det320", "seg320", "det640", "seg640"])
     p.add_argument("--amp", nargs="+", default=["off", "auto"], help="train.py --amp values")
     p.add_argument("--iters", type=int, default=8, help="model-only steps timed, per measurement")
     p.add_argument("--repeat", type=int, default=1, help="runs of each case")
     p.add_argument("--layouts", action="store_true", help="model-only fp32/bf16 x layouts only")
     p.add_argument("--e2e", action="store_true", help="end to end: 3 epochs det 320, off vs auto")
+    p.add_argument("--yolov5", help="--e2e: time this yolov5 checkout's train.py alongside")
     p.add_argument("--ddp", action="store_true")
     p.add_argument("--one", help=argparse.SUPPRESS)  # child mode: one case, prints a RESULT line
     args = p.parse_args()
@@ -271,9 +286,12 @@ def main() -> None:
                 rates = f"{res['loop']:11.2f} {res['model_only']:17.2f} {ratio:11.1%}"
                 print(f"{case:8s} {amp:5s} {rates} {res['rss_gb']:8.2f}G  (load {load:.1f})")
     if args.e2e:
-        e = end_to_end(args.amp)
-        for amp in args.amp:
-            print(f"end to end, --amp {amp}: {statistics.mean(e[amp] or [float('nan')]):.1f} s")
+        e = end_to_end(args.amp, args.repeat, yolov5=args.yolov5)
+        for name in [*args.amp, *(["yolov5"] if args.yolov5 else [])]:
+            runs = " ".join(f"{t:.1f}" for t in e[name])
+            print(
+                f"end to end, {name}: {statistics.mean(e[name] or [float('nan')]):.1f} s ({runs})"
+            )
         print("".join(f"  failed: {err}\n" for err in e["errors"]), end="")
     if args.ddp:
         print("torchrun (CPU, gloo):")
