@@ -161,7 +161,7 @@ class YOLOLoss:
         c0, c1 = ((x - w / 2).ceil().clamp(0, mw).long(), (x + w / 2).ceil().clamp(0, mw).long())
         r0, r1 = ((y - h / 2).ceil().clamp(0, mh).long(), (y + h / 2).ceil().clamp(0, mh).long())
         bw, bh, hw = (c1 - c0).clamp(min=0), (r1 - r0).clamp(min=0), mh * mw
-        # built per box row (a run of bw pixels): a few passes over the pairs, not one per step
+        # the pairs are built from box rows (runs of bw pixels): few passes over the many pairs
         run = torch.repeat_interleave(torch.arange(len(b), device=b.device), bh)  # -> positive
         row = torch.arange(len(run), device=b.device) - (bh.cumsum(0) - bh)[run] + r0[run]
         run_w, pixel0 = bw[run], row * mw + c0[run]  # the run's width and first pixel in the map
@@ -172,7 +172,7 @@ class YOLOLoss:
         p = run[pair_run]  # pair -> positive
         pos_per_img = torch.bincount(b, minlength=bs)
         first = pos_per_img.cumsum(0) - pos_per_img  # each image's first positive
-        pairs_per_img = (bw * bh).new_zeros(bs).index_add(0, b, bw * bh).tolist()
+        pairs_per_img = torch.zeros_like(first).index_add(0, b, bw * bh).tolist()
         at = along((run - first[b[run]]) * hw + pixel0).split(pairs_per_img)  # in (npos_i, hw)
         per_image = protos.view(bs, nm, -1).unbind(0)  # one backward for all images, not one each
         parts = zip(coefs.split(pos_per_img.tolist()), per_image, at)
