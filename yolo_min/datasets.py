@@ -301,7 +301,8 @@ class EpochSampler(DistributedSampler):
 def yield_cpu(worker_id: int) -> None:
     """Data workers at the lowest priority: where the cores are few, a worker preempting one of
     the step's OpenMP threads stalls them all; at nice 19 workers fill the step's idle moments."""
-    os.nice(19)
+    if hasattr(os, "nice"):  # not on Windows
+        os.nice(19)
 
 
 def build_dataloader(
