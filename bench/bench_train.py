@@ -51,12 +51,13 @@ LAYOUTS = {  # name: (--amp, channels_last)
 }
 
 
-def data_yaml(task: str, folder: Path) -> Path:
-    """coco128(-seg) for training, coco8(-seg) val for the (short) validation."""
+def data_yaml(task: str, folder: Path, val: str = "coco8{seg}/images/val") -> Path:
+    """coco128(-seg) for training, coco8(-seg) val for the (short) validation, by absolute path
+    (yolov5 would read a relative one from its own datasets/ folder)."""
     seg = "-seg" if task == "seg" else ""
     names = (DATA / "coco128.yaml").read_text().split("names:", 1)[1]
     path = folder / f"bench{seg}.yaml"
-    images = f"train: coco128{seg}/images/train2017\nval: coco8{seg}/images/val"
+    images = f"train: coco128{seg}/images/train2017\nval: {val.format(seg=seg)}"
     path.write_text(f"path: {DATA}\n{images}\nnames:{names}")
     return path
 
@@ -195,12 +196,7 @@ def end_to_end(amps=("off", "auto"), rounds: int = 1, epochs: int = 3, yolov5=No
     yolov5: a yolov5 checkout, whose train.py (CPU: fp32) joins the alternation as "yolov5"."""
     out = {"errors": [], **{a: [] for a in amps}}
     with tempfile.TemporaryDirectory() as tmp:
-        data = Path(tmp) / "coco128.yaml"  # yolov5 reads a relative path from its own datasets/
-        data.write_text(
-            f"path: {DATA / 'coco128'}\ntrain: images/train2017\nval: images/train2017\n"
-            + "names:"
-            + (DATA / "coco128.yaml").read_text().split("names:", 1)[1]
-        )
+        data = data_yaml("det", Path(tmp), val="coco128/images/train2017")  # as coco128.yaml
         common = ["train.py", "--data", str(data), "--imgsz", "320", "--batch-size", "16"]
         common += ["--workers", "2", "--epochs", str(epochs)]
         runs = {a: (ROOT, ["--amp", a]) for a in amps}
@@ -288,10 +284,9 @@ def main() -> None:
     if args.e2e:
         e = end_to_end(args.amp, args.repeat, yolov5=args.yolov5)
         for name in [*args.amp, *(["yolov5"] if args.yolov5 else [])]:
+            mean = statistics.mean(e[name] or [float("nan")])
             runs = " ".join(f"{t:.1f}" for t in e[name])
-            print(
-                f"end to end, {name}: {statistics.mean(e[name] or [float('nan')]):.1f} s ({runs})"
-            )
+            print(f"end to end, {name}: {mean:.1f} s ({runs})")
         print("".join(f"  failed: {err}\n" for err in e["errors"]), end="")
     if args.ddp:
         print("torchrun (CPU, gloo):")
