@@ -1,6 +1,5 @@
 """AutoAnchor, in pixels: the best possible recall (BPR) is the share of label boxes whose w and h
-ratios to some anchor lie in [1/thr, thr]. Below 0.98, k-means and an evolution propose new anchors.
-"""
+ratios to some anchor lie in [1/thr, thr]. Below 0.98, k-means and evolution propose new anchors."""
 
 from __future__ import annotations
 
@@ -40,12 +39,8 @@ def fitness(anchors: np.ndarray, wh: np.ndarray, thr: float) -> float:
 
 
 def kmeans(x: np.ndarray, k: int, rng: np.random.Generator, iters: int = 30) -> np.ndarray:
-    """k centres of the rows of x (m, d): k-means++ seeding, then `iters` Lloyd steps."""
-    centres = x[[rng.integers(len(x))]]
-    while len(centres) < k:  # next seed with probability ~ squared distance to the nearest centre
-        d2 = ((x[:, None] - centres[None]) ** 2).sum(2).min(1)
-        p = d2 / d2.sum() if d2.sum() > 0 else None
-        centres = np.concatenate([centres, x[[rng.choice(len(x), p=p)]]])
+    """k centres of the rows of x (m, d): k of its rows at random, then `iters` Lloyd steps."""
+    centres = x[rng.choice(len(x), k, replace=False)]  # scipy's kmeans (yolov5's) seeds so too
     for _ in range(iters):
         nearest = ((x[:, None] - centres[None]) ** 2).sum(2).argmin(1)
         for j in range(k):
@@ -64,12 +59,9 @@ def fit_anchors(wh: np.ndarray, n: int = 9, thr: float = 4.0, gens=1000, seed=0)
     s = wh.std(0) + 1e-9
     k = kmeans(wh / s, n, rng) * s
     f = fitness(k, wh, thr)
-    for _ in range(gens):
-        v = np.ones_like(k)
-        while (v == 1).all():  # mutate ~90% of the values by up to ~10% (times a random strength)
-            change = (rng.random(k.shape) < 0.9) * rng.random() * rng.standard_normal(k.shape)
-            v = (change * 0.1 + 1).clip(0.3, 3.0)
-        kg = (k * v).clip(min=2.0)
+    for _ in range(gens):  # mutate ~90% of the values by up to ~10% (times a random strength)
+        change = (rng.random(k.shape) < 0.9) * rng.random() * rng.standard_normal(k.shape)
+        kg = (k * (change * 0.1 + 1).clip(0.3, 3.0)).clip(min=2.0)
         fg = fitness(kg, wh, thr)
         if fg > f:
             f, k = fg, kg
