@@ -41,8 +41,7 @@ def load_data_config(path: str) -> dict:
     missing = [k for k in ("train", "val", "names") if not isinstance(cfg, dict) or not cfg.get(k)]
     if missing:
         raise DataError(f"{p}: missing key(s) {', '.join(missing)}")
-    names = cfg["names"]
-    if isinstance(names, dict):
+    if isinstance(names := cfg["names"], dict):
         names = [names.get(i, names.get(str(i))) for i in range(len(names))]
     if not isinstance(names, list) or None in names:
         raise DataError(f"{p}: names must be a list or a mapping {{0: name, 1: name, ...}}")
@@ -130,12 +129,12 @@ class YOLODataset(Dataset):
         self._dims = np.round(hw[:, ::-1] * imgsz / hw.max(1, keepdims=True)).astype(int)
         size, free, self._ram = int(self._dims.prod(1).sum()) * 3, available_memory(), None
         need = size * local_world_size
-        if cache == "auto":  # small enough: decode each image once instead of in every epoch
-            cache = "ram" if need < free / 10 else None
         if cache == "ram" and free and need > free:
             gb = f"needs {need / 1e9:.1f} GB, {free / 1e9:.1f} GB is available"
             raise DataError(f"{prefix}caching the images in RAM {gb}: use --cache off")
-        if cache == "ram":  # forked workers share these pages
+        # auto: if small enough, decode each image once instead of in every epoch (forked workers
+        # share these pages)
+        if cache == "ram" or (cache == "auto" and need < free / 10):
             scales, wh = self._dims[:, 0] / hw[:, 1], self._dims.tolist()
             self._ram = [im for im, _ in thread_map(self.load_image, range(len(self)), scales, wh)]
             if verbose:
@@ -266,8 +265,7 @@ class ClassifyDataset(ImageFolder):
         i = key[2] if isinstance(key, tuple) else key
         with torch.random.fork_rng(devices=[], enabled=isinstance(key, tuple)):
             if isinstance(key, tuple):  # the CPU generator: torch.manual_seed costs ~0.4 ms
-                seed = random.Random("%d:%d:%d" % key).getrandbits(63)
-                torch.default_generator.manual_seed(seed)
+                torch.default_generator.manual_seed(random.Random("%d:%d:%d" % key).getrandbits(63))
             image, cls = super().__getitem__(i)
         sample = dict(image=image, targets=torch.tensor([[cls]]), masks=None, shape=None, index=i)
         return sample | dict(path=self.samples[i][0])
@@ -299,8 +297,9 @@ class EpochSampler(DistributedSampler):
 
 
 def yield_cpu(worker_id: int) -> None:
-    """Data workers at the lowest priority: where the cores are few, a worker preempting one of
-    the step's OpenMP threads stalls them all; at nice 19 workers fill the step's idle moments."""
+    """Data workers at the lowest priority (worker_init_fn)."""
+    # where the cores are few, a worker preempting one of the step's OpenMP threads stalls them
+    # all; at nice 19 workers fill the step's idle moments
     if hasattr(os, "nice"):  # not on Windows
         os.nice(19)
 
@@ -312,8 +311,7 @@ def build_dataloader(
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     workers = min(workers, max(cpus // local_world_size, 1))
     kw = dict(collate_fn=collate, num_workers=workers, persistent_workers=workers > 0)
-    kw["worker_init_fn"] = yield_cpu
-    kw["pin_memory"] = torch.cuda.is_available()
+    kw |= dict(worker_init_fn=yield_cpu, pin_memory=torch.cuda.is_available())
     if shuffle:
         sampler = EpochSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed)
         return DataLoader(dataset, batch_size=batch_size, sampler=sampler, **kw), sampler
