@@ -577,8 +577,9 @@ def test_real_coco(data_dir, capsys):
 
 # ---------------------------------------------------------------- synthetic shapes
 def test_shapes_dataset(tmp_path, monkeypatch):
-    a = shapes.generate(tmp_path / "a", n_train=3, n_val=1, size=128, seed=5).parent
-    b = shapes.generate(tmp_path / "b", n_train=3, n_val=1, size=128, seed=5).parent
+    a, b = tmp_path / "a", tmp_path / "b"
+    for root in (a, b):
+        shapes.generate(root, n_train=3, n_val=1, size=128, seed=5)
     fa = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
     assert fa == sorted(p.relative_to(b) for p in b.rglob("*") if p.is_file()) and len(fa) == 9
     assert all((a / f).read_bytes() == (b / f).read_bytes() for f in fa)  # deterministic

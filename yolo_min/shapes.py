@@ -53,7 +53,7 @@ def make_image(rng: np.random.Generator, size: int = SIZE) -> tuple[Image.Image,
     return Image.fromarray(np.clip(px, 0, 255).astype(np.uint8)), labels
 
 
-def generate(root: Path, n_train=N_TRAIN, n_val=N_VAL, size=SIZE, seed=0) -> Path:
+def generate(root: Path, n_train=N_TRAIN, n_val=N_VAL, size=SIZE, seed=0) -> None:
     """Write images/{train,val}/*.jpg, labels/{train,val}/*.txt and shapes.yaml under root."""
     rng = np.random.default_rng(seed)
     for split, n in (("train", n_train), ("val", n_val)):
@@ -66,7 +66,6 @@ def generate(root: Path, n_train=N_TRAIN, n_val=N_VAL, size=SIZE, seed=0) -> Pat
             (root / "labels" / split / f"{i:06d}.txt").write_text("".join(f"{r}\n" for r in rows))
     head = f"# yolo_min synthetic shapes v{VERSION}\npath: .\ntrain: images/train\n"
     (root / "shapes.yaml").write_text(f"{head}val: images/val\nnames: [{', '.join(NAMES)}]\n")
-    return root / "shapes.yaml"
 
 
 def generate_cls(root: Path, n_train=N_CLS_TRAIN, n_val=N_CLS_VAL, seed=1) -> None:
