@@ -87,9 +87,8 @@ class YOLOLoss:
         near = torch.cat(((gxy % 1 < 0.5) & (gxy > 1), (inv % 1 < 0.5) & (inv > 1)), 1).T  # (4, n)
         o, p = torch.cat((torch.ones_like(near[:1]), near)).nonzero(as_tuple=True)
         a, k, gxy = a[p], k[p], gxy[p]
-        gij = (gxy - _OFFSETS.to(gxy.device)[o]).long()
-        gij[:, 0].clamp_(0, nx - 1)  # yolov5 measures tbox from the clamped cell too
-        gij[:, 1].clamp_(0, ny - 1)
+        # the cell, clamped to the map: yolov5 measures tbox from the clamped cell too
+        gij = (gxy - _OFFSETS.to(gxy.device)[o]).long().clamp(min=0).minimum(gain[:2].long() - 1)
         tbox = torch.cat((gxy - gij, gxywh[k, 2:]), 1)
         return targets[k, 0].long(), a, gij[:, 1], gij[:, 0], tbox, anchors[a], k, (gxywh / gain)[k]
 
@@ -103,10 +102,7 @@ class YOLOLoss:
         device, bs = maps[0].device, maps[0].shape[0]
         targets = targets.to(device=device, dtype=torch.float32)
         lbox, lobj, lcls, lseg = (torch.zeros(1, device=device) for _ in range(4))
-        seg_parts = []  # per level with positives: (b, coefs, target's index in its image, xywhn)
-        if protos is not None:  # the k-th target of its image (1-based) is value k in masks
-            onehot = F.one_hot(targets[:, 0].long(), bs)
-            index_in_image = (onehot.cumsum(0) * onehot).sum(1)
+        seg_parts = []  # per level with positives: (b, level * bs + b, coefs, k, xywhn)
         for i, pi in enumerate(maps):
             _, na, ny, nx, _ = pi.shape
             b, a, gj, gi, tbox, anch, k, xywhn = self._assign(i, targets, ny, nx)
@@ -114,28 +110,25 @@ class YOLOLoss:
             if n := b.shape[0]:
                 ps = pi[b, a, gj, gi]  # (n, no)
                 pxy, pwh = ps[:, :2].sigmoid() * 2 - 0.5, (ps[:, 2:4].sigmoid() * 2) ** 2 * anch
-                pbox = torch.cat((pxy, pwh), 1)
-                iou = bbox_ciou(pbox, tbox)
+                iou = bbox_ciou(torch.cat((pxy, pwh), 1), tbox)
                 lbox += (1.0 - iou).mean()
                 # Objectness target = detached IoU. Several positives may share a cell: the last in
                 # assignment order wins (what yolov5's index assignment does), made explicit here
-                # so that it is deterministic on every device.
+                # so that it is deterministic on every device: all of them write the last one's IoU.
                 cell = ((b * na + a) * ny + gj) * nx + gi
                 order = torch.arange(n, device=device)
-                last = torch.full((tobj.numel(),), -1, device=device)
-                last.scatter_reduce_(0, cell, order, "amax")
-                win = last[cell] == order
-                tobj.view(-1)[cell[win]] = iou.detach().clamp(0)[win].to(tobj.dtype)
+                last = cell.new_full((tobj.numel(),), -1).scatter_reduce_(0, cell, order, "amax")
+                tobj.view(-1)[cell] = iou.detach().clamp(0)[last[cell]].to(tobj.dtype)
                 if self.nc > 1:  # a single class needs no classifier: objectness covers it
                     pcls = ps[:, 5 : 5 + self.nc]
                     t = torch.full_like(pcls, self.cn)
                     t[order, targets[k, 1].long()] = self.cp
                     lcls += self._bce(pcls, t, self.cls_pw)
                 if protos is not None:
-                    seg_parts.append((b, ps[:, 5 + self.nc :], index_in_image[k], xywhn))
+                    seg_parts.append((b, i * bs + b, ps[:, 5 + self.nc :], k, xywhn))
             lobj += self._bce(pi[..., 4], tobj, self.obj_pw) * self.balance[i]
         if seg_parts:
-            lseg += self._seg_loss(seg_parts, protos, masks) * self.hyp["box"] / bs
+            lseg += self._seg_loss(seg_parts, protos, masks, targets[:, 0]) * self.hyp["box"] / bs
         hyp = self.hyp
         items = dict(box=lbox * hyp["box"], seg=lseg, obj=lobj * hyp["obj"], cls=lcls * hyp["cls"])
         if protos is None:
@@ -143,17 +136,19 @@ class YOLOLoss:
         loss = sum(items.values()) * bs * self.world_size
         return loss, {k: v.detach()[0] for k, v in items.items()}
 
-    def _seg_loss(self, parts: list, protos: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
+    def _seg_loss(self, parts: list, protos, masks, images: torch.Tensor) -> torch.Tensor:
         """Sum over levels and images of the mean mask loss of the positives: BCE of (coefs @ its
         image's protos) against its mask, inside its box only, mean over the map / box area.
-        parts: per level (b (n,), coefs (n, nm), target index in its image (n,), xywhn (n, 4))."""
+        parts: per level (b (n,), level * bs + b (n,), coefs (n, nm), target rows k (n,), xywhn
+        (n, 4)); images (N,): the targets' image indices."""
         bs, nm, mh, mw = protos.shape
         if masks.shape[-2:] != (mh, mw):
             masks = F.interpolate(masks[None].float(), (mh, mw), mode="nearest")[0]
-        level = torch.cat([torch.full_like(p[0], i) for i, p in enumerate(parts)])  # part = level
-        b, coefs, idx, xywhn = (torch.cat(x) for x in zip(*parts))
+        b, group, coefs, k, xywhn = (torch.cat(x) for x in zip(*parts))
         order = torch.argsort(b, stable=True)  # group the positives by image: one matmul per image
-        b, coefs, idx, xywhn, level = b[order], coefs[order], idx[order], xywhn[order], level[order]
+        b, group, coefs, k, xywhn = b[order], group[order], coefs[order], k[order], xywhn[order]
+        onehot = F.one_hot(images.long(), bs)  # masks: value j = the image's j-th target (1-based)
+        idx = (onehot.cumsum(0) * onehot).sum(1)[k]  # the positives' values in masks
         # Only the pixels inside the box count, and a box is a small part of the map: list them
         # as (positive p, pixel) pairs instead of a BCE over every map. Pixel column c is in the
         # box iff x1 <= c < x2, i.e. ceil(x1) <= c < ceil(x2) (likewise rows), x1 = x - w/2.
@@ -162,7 +157,7 @@ class YOLOLoss:
         r0, r1 = ((y - h / 2).ceil().clamp(0, mh).long(), (y + h / 2).ceil().clamp(0, mh).long())
         bw, bh, hw = (c1 - c0).clamp(min=0), (r1 - r0).clamp(min=0), mh * mw
         # the pairs are built from box rows (runs of bw pixels): few passes over the many pairs
-        run = torch.repeat_interleave(torch.arange(len(b), device=b.device), bh)  # -> positive
+        run = torch.repeat_interleave(bh)  # run -> its positive
         row = torch.arange(len(run), device=b.device) - (bh.cumsum(0) - bh)[run] + r0[run]
         run_w, pixel0 = bw[run], row * mw + c0[run]  # the run's width and first pixel in the map
         run_first = run_w.cumsum(0) - run_w  # the run's first pair
@@ -173,19 +168,17 @@ class YOLOLoss:
         pos_per_img = torch.bincount(b, minlength=bs)
         first = pos_per_img.cumsum(0) - pos_per_img  # each image's first positive
         pairs_per_img = torch.zeros_like(first).index_add(0, b, bw * bh).tolist()
+        if not sum(pairs_per_img):  # no box holds a pixel: loss 0, and no graph to the protos
+            return x.new_zeros(())
         at = along((run - first[b[run]]) * hw + pixel0).split(pairs_per_img)  # in (npos_i, hw)
         per_image = protos.view(bs, nm, -1).unbind(0)  # one backward for all images, not one each
         parts = zip(coefs.split(pos_per_img.tolist()), per_image, at)
-        logits = [(c @ protos_i).view(-1)[a] for c, protos_i, a in parts if len(a)]
-        per_pos = torch.zeros_like(x)
-        if logits:
-            gt = masks.reshape(-1)[along(b[run] * hw + pixel0)] == idx[p]
-            bce = F.binary_cross_entropy_with_logits
-            per_pair = bce(torch.cat(logits), gt.to(protos.dtype), reduction="none")
-            per_pos = per_pos.index_add(0, p, per_pair.float())
-        per_pos = per_pos / (mh * mw) / (xywhn[:, 2] * xywhn[:, 3])  # mean over map / box area
-        group = level * bs + b  # mean per (level, image), summed
-        total = per_pos.new_zeros(self.nl * bs).index_add(0, group, per_pos)
+        logits = torch.cat([(c @ protos_i).view(-1)[a] for c, protos_i, a in parts if len(a)])
+        gt = masks.reshape(-1)[along(b[run] * hw + pixel0)] == idx[p]
+        per_pair = F.binary_cross_entropy_with_logits(logits, gt.to(protos.dtype), reduction="none")
+        per_pos = torch.zeros_like(x).index_add(0, p, per_pair.float())
+        per_pos = per_pos / hw / (xywhn[:, 2] * xywhn[:, 3])  # mean over map / box area
+        total = per_pos.new_zeros(self.nl * bs).index_add(0, group, per_pos)  # per (level, image)
         counts = torch.bincount(group, minlength=self.nl * bs)
         return (total[counts > 0] / counts[counts > 0]).sum()
 
