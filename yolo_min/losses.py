@@ -50,8 +50,7 @@ class YOLOLoss:
         (bs, nm, Hp, Wp)). targets: (N, 6) [img_idx, cls, cx, cy, w, h], xywh normalised.
     masks (segment): (bs, Hm, Wm) overlap index maps, value k = the image's k-th target (1-based).
     items: detached per-image means; loss = sum(items) * bs * world_size, the summed per-image
-    losses of the global batch, as DDP averages gradients over ranks.
-    """
+    losses of the global batch, as DDP averages gradients over ranks."""
 
     def __init__(self, model: nn.Module, hyp: dict, world_size: int = 1):
         self.head = de_parallel(model).head  # anchors read per call: AutoAnchor may change them

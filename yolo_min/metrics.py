@@ -58,11 +58,10 @@ def ap_per_class(tp: np.ndarray, conf, pred_cls, classes, n_gt) -> dict:
         tpc = np.cumsum(tp[order], 0).astype(np.float64)
         n_seen = np.arange(1.0, len(order) + 1)[:, None]  # true + false positives so far
         recall, precision = tpc / npos, tpc / (n_seen + np.spacing(1))
-        envelope = np.maximum.accumulate(precision[::-1], 0)[::-1]
-        for ti in range(tp.shape[1]):
-            idx = np.searchsorted(recall[:, ti], RECALL_POINTS, side="left")
-            q = np.where(idx < len(order), envelope[np.minimum(idx, len(order) - 1), ti], 0.0)
-            ap[ci, ti] = q.mean()
+        # the precision envelope, and 0 past the last recall
+        envelope = np.pad(np.maximum.accumulate(precision[::-1], 0)[::-1], ((0, 1), (0, 0)))
+        for ti in range(tp.shape[1]):  # at a recall point: the first detection reaching it
+            ap[ci, ti] = envelope[np.searchsorted(recall[:, ti], RECALL_POINTS), ti].mean()
         # P/R at IoU 0.5 as step functions of the confidence threshold (detections with conf >= x)
         n_above = np.searchsorted(-conf[order], -CONF_GRID, side="right")
         last = np.maximum(n_above - 1, 0)
