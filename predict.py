@@ -227,25 +227,24 @@ def main(args: argparse.Namespace) -> dict:
         mine = find_images(args.source)[info.rank :: info.world_size]  # this rank's share
         save_dir = dist.run_on_main(next_run_dir, args.project, args.name, args.exist_ok)
         (save_dir / "labels" if args.save_txt else save_dir).mkdir(parents=True, exist_ok=True)
-        nms = dict(conf_thres=args.conf_thres, iou_thres=args.iou_thres, max_det=args.max_det)
-        nms |= dict(classes=args.classes, agnostic=args.agnostic_nms)
+        nms = {k: getattr(args, k) for k in ("conf_thres", "iou_thres", "max_det", "classes")}
         options = (args.imgsz, args.batch_size, args.workers, args.save_txt, amp)
-        seen, skipped, n_det, speed, entries = 0, 0, 0, np.zeros(3), []
+        seen, n_det, speed, entries = 0, 0, np.zeros(3), []
         t0 = last = time.time()
-        for i, r in enumerate(stream(model, mine, *options, **nms), 1):
+        for i, r in enumerate(stream(model, mine, *options, agnostic=args.agnostic_nms, **nms), 1):
             if info.is_main and time.time() - last > 10 and i < len(mine):  # progress, every 10 s
                 last, rate = time.time(), i / (time.time() - t0)
                 eta = f"eta {(len(mine) - i) / rate:.0f}s"
                 print(f"{i}/{len(mine)} images  {rate:.1f} images/s  {eta}", flush=True)
             if "error" in r:
                 print(f"WARNING {r['path']}: unreadable, skipped ({r['error']})", flush=True)
-                skipped += 1
                 continue
             save(r, save_dir, args)
             seen, n_det, speed = seen + 1, n_det + len(r.get("boxes", ())), speed + r["speed"]
             if args.save_json:  # keyed by the file's place in the source
                 entries.append((info.rank + r["index"] * info.world_size, json_entry(r)))
-        ranks = dist.all_gather_object((seen, skipped, n_det, speed, entries))
+        # every image is either seen or skipped (unreadable)
+        ranks = dist.all_gather_object((seen, len(mine) - seen, n_det, speed, entries))
         seen, skipped, n_det, speed = (sum(r[i] for r in ranks) for i in range(4))
         speed = dict(zip(STAGES, (speed / max(seen, 1)).tolist()))
         if info.is_main:
