@@ -89,8 +89,9 @@ def scale_masks(masks: torch.Tensor, ratio_pad, orig_hw: tuple[int, int]) -> tor
 
 
 def polygons_to_masks(polygons: list, hw: tuple[int, int]) -> torch.Tensor:
-    """Polygons (each (k, 2) [x, y] pixels) -> (m, h, w) bool masks exactly as pycocotools: edges
-    walked in 1/5-pixel steps toggle the pixels below them per column (PIL differs on ~1%)."""
+    """Polygons (each (k, 2) [x, y] pixels) -> (m, h, w) bool masks, exactly as pycocotools."""
+    # pycocotools' way: edges walked in 1/5-pixel steps toggle the pixels below them per column
+    # (PIL's polygon fill differs on ~1% of the pixels)
     h, w = hw
     out = np.zeros((len(polygons), h, w), dtype=bool)
     for i, poly in enumerate(polygons):
@@ -100,8 +101,7 @@ def polygons_to_masks(polygons: list, hw: tuple[int, int]) -> torch.Tensor:
         xs, ys, xe, ye = p[:, 0], p[:, 1], np.roll(p[:, 0], -1), np.roll(p[:, 1], -1)
         along_x = np.abs(xe - xs) >= np.abs(ye - ys)
         flip = np.where(along_x, xs > xe, ys > ye)  # round from the lower end, walk the edge's way
-        x0, x1 = np.where(flip, (xe, xs), (xs, xe))
-        y0, y1 = np.where(flip, (ye, ys), (ys, ye))
+        x0, y0, x1, y1 = np.where(flip, (xe, ye, xs, ys), (xs, ys, xe, ye))
         n = np.maximum(np.abs(xe - xs), np.abs(ye - ys))
         slope = np.where(along_x, y1 - y0, x1 - x0) / np.maximum(n, 1)
         e = np.repeat(np.arange(len(p)), n + 1)  # edge of each walked point
@@ -166,8 +166,8 @@ def mask_iou(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def rle_encode(mask: torch.Tensor | np.ndarray) -> dict:
     """COCO's compressed RLE of one (h, w) bool mask: {"size": [h, w], "counts": str}."""
     flat = np.asarray(mask.cpu() if isinstance(mask, torch.Tensor) else mask, dtype=bool).T.ravel()
-    starts = np.flatnonzero(np.diff(flat, prepend=False))  # of runs, the first one of zeros
-    counts = np.diff(np.concatenate(([0], starts, [flat.size]))).tolist()
+    # run lengths from the runs' starts; the first run is one of zeros (maybe empty)
+    counts = np.diff(np.r_[0, np.flatnonzero(np.diff(flat, prepend=False)), flat.size]).tolist()
     chars = []
     for i, x in enumerate(counts):
         x = x - counts[i - 2] if i > 2 else x  # delta against the last run of the same value
