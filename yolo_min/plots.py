@@ -33,10 +33,9 @@ def draw_batch(images, targets=None, masks=None, *, fname, names=None, preds=Non
             t = targets[targets[:, 0] == i].float().cpu()
             boxes = xywh2xyxy(t[:, 2:6] * torch.tensor([W, H, W, H]))
             cls, conf = t[:, 1].long().tolist(), None
-        inst = None
-        if masks is not None and cls:
-            m = masks[i].cpu()
-            inst = m[None] == torch.arange(1, len(cls) + 1)[:, None, None] if m.ndim == 2 else m
+        inst = masks[i].cpu() if masks is not None and cls else None
+        if inst is not None:  # labels: an overlap index map (k: the k-th target); preds: (n,h,w)
+            inst = inst == torch.arange(1, len(cls) + 1)[:, None, None] if inst.ndim == 2 else inst
             inst = F.interpolate(inst[None].float(), size=(H, W), mode="nearest")[0].bool()
         width = max(1, round(W / 320))
         cells.append(draw_detections(images[i].cpu(), boxes, cls, conf, names, inst, width))
