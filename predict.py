@@ -42,13 +42,12 @@ def find_images(source: str) -> list[str]:
 
 
 def letterbox(image: torch.Tensor, imgsz: int, stride: int) -> tuple[torch.Tensor, tuple]:
-    """uint8 (h, w, 3) -> (uint8 (3, H, W), ratio_pad) as yolov5: long side to imgsz (OpenCV's
-    INTER_LINEAR: bilinear, no antialiasing), centred on a stride-multiple canvas of 114 grey."""
+    """uint8 (h, w, 3) -> (uint8 (3, H, W), ratio_pad): long side to imgsz, centred on 114 grey."""
     (h0, w0), x = image.shape[:2], image.permute(2, 0, 1)
     r = imgsz / max(h0, w0)
     h, w = round(h0 * r), round(w0 * r)
-    H, W = make_divisible(h, stride), make_divisible(w, stride)
-    if (h, w) != (h0, w0):
+    H, W = make_divisible(h, stride), make_divisible(w, stride)  # the canvas, as yolov5's
+    if (h, w) != (h0, w0):  # as OpenCV's INTER_LINEAR: bilinear, no antialiasing
         x = F.interpolate(x[None], size=(h, w), mode="bilinear", antialias=False)[0]
     top, left = round((H - h) / 2 - 0.1), round((W - w) / 2 - 0.1)
     canvas = F.pad(x, (left, W - w - left, top, H - h - top), value=114)

@@ -66,8 +66,8 @@ def scale_boxes(boxes: torch.Tensor, ratio_pad, orig_hw: tuple[int, int]) -> tor
 
 
 def process_mask(protos, coefs, boxes, input_hw: tuple[int, int]) -> torch.Tensor:
-    """yolov5's process_mask(upsample=True): protos (nm, h, w), coefs (n, nm), boxes (n, 4) xyxy
-    input pixels -> (n, H, W) bool: sigmoid(coefs @ protos), cropped, upsampled, > 0.5."""
+    """protos (nm, h, w), coefs (n, nm), boxes (n, 4) xyxy input pixels -> (n, H, W) bool masks."""
+    # yolov5's process_mask(upsample=True): sigmoid(coefs @ protos), cropped, upsampled, > 0.5
     nm, h, w = protos.shape
     m = (coefs.float() @ protos.float().view(nm, -1)).sigmoid().view(-1, 1, h, w)
     scale = boxes.new_tensor([w / input_hw[1], h / input_hw[0]] * 2)
