@@ -43,9 +43,8 @@ def kmeans(x: np.ndarray, k: int, rng: np.random.Generator, iters: int = 30) -> 
     centres = x[rng.choice(len(x), k, replace=False)]  # scipy's kmeans (yolov5's) seeds so too
     for _ in range(iters):
         nearest = ((x[:, None] - centres[None]) ** 2).sum(2).argmin(1)
-        for j in range(k):
-            if (nearest == j).any():
-                centres[j] = x[nearest == j].mean(0)
+        for j in np.unique(nearest):  # a centre no row is nearest to stays
+            centres[j] = x[nearest == j].mean(0)
     return centres
 
 

@@ -223,8 +223,8 @@ def _rows(x, most: int) -> bool:
     return isinstance(x, list) and 0 < len(x) <= most
 
 
+# x's repr cut short: an untrusted object may be huge, or shared lists nested deep
 def _short(x) -> str:
-    """x's repr cut short: an untrusted object may be huge, or shared lists nested deep."""
     return reprlib.repr(x)[:40]
 
 
