@@ -170,13 +170,13 @@ class YOLOLoss:
         if not sum(pairs_per_img):  # no box holds a pixel: loss 0, and no graph to the protos
             return x.new_zeros(())
         at = along((run - first[b[run]]) * hw + pixel0).split(pairs_per_img)  # in (npos_i, hw)
-        per_image = protos.view(bs, nm, -1).unbind(0)  # one backward for all images, not one each
-        parts = zip(coefs.split(pos_per_img.tolist()), per_image, at)
+        # the protos unbound per image: one backward for all images, not one each
+        parts = zip(coefs.split(pos_per_img.tolist()), protos.view(bs, nm, -1).unbind(0), at)
         logits = torch.cat([(c @ protos_i).view(-1)[a] for c, protos_i, a in parts if len(a)])
         gt = masks.reshape(-1)[along(b[run] * hw + pixel0)] == idx[p]
         per_pair = F.binary_cross_entropy_with_logits(logits, gt.to(protos.dtype), reduction="none")
-        per_pos = torch.zeros_like(x).index_add(0, p, per_pair.float())
-        per_pos = per_pos / hw / (xywhn[:, 2] * xywhn[:, 3])  # mean over map / box area
+        # per positive: the sum over its pairs / the map's pixels / the normalised box area
+        per_pos = torch.zeros_like(x).index_add(0, p, per_pair.float()) / hw / xywhn[:, 2:].prod(1)
         total = per_pos.new_zeros(self.nl * bs).index_add(0, group, per_pos)  # per (level, image)
         counts = torch.bincount(group, minlength=self.nl * bs)
         return (total[counts > 0] / counts[counts > 0]).sum()
