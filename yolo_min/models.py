@@ -178,8 +178,7 @@ def amp_dtype(device: torch.device, mode: str = "auto") -> torch.dtype | None:
         return None
     if device.type == "cuda":
         return torch.float16
-    caps = torch.cpu.get_capabilities()
-    native = any(caps.get(k) for k in ("avx512_bf16", "amx_bf16", "bf16"))
+    native = any(map(torch.cpu.get_capabilities().get, ("avx512_bf16", "amx_bf16", "bf16")))
     return torch.bfloat16 if native or mode == "on" else None
 
 
