@@ -99,14 +99,14 @@ def resample(polys: list, n: int = NPTS) -> np.ndarray:
 
 def place_labels(pieces: list, labels: list, M: np.ndarray, sc: float, out_wh: tuple, shifts: list):
     """Label dicts of the pieces through the geometry -> cls (n,), boxes (n,4) xyxy output px,
-    polygons (None: a box). A polygon: NPTS points clamped to its piece, its box the extent of those
-    in the output; a box: its clipped corners. sc: the affine's scale; shifts: render's."""
+    polygons ((NPTS,2) output px; None: a box). sc: the affine's scale; shifts: render's."""
     W, H = out_wh
     # per piece: cls, box before (canvas), box after (output), has-polygon; first: float64, no rows
     empty = (np.zeros(0, np.int64), np.zeros((0, 4)), np.zeros((0, 4)), np.zeros(0, bool))
     out, polys = [empty], []
     for p, lb, (dx, dy) in zip(pieces, labels, shifts):
         (h0, w0), seg = lb["shape"], len(lb["segments"]) > 0
+        # a polygon: NPTS points, a box: its 4 corners; clamped to the piece's visible part
         pts = resample(lb["segments"]) if seg else box_corners(xywh2xyxy(lb["bboxes"]))
         x = np.clip(pts[..., 0] * (w0 * p.r) + p.ox + dx, p.clip[0], p.clip[2])
         y = np.clip(pts[..., 1] * (h0 * p.r) + p.oy + dy, p.clip[1], p.clip[3])
@@ -134,8 +134,9 @@ def place_labels(pieces: list, labels: list, M: np.ndarray, sc: float, out_wh: t
 
 
 def hsv_jitter(img: torch.Tensor, hyp: dict) -> torch.Tensor:
-    """yolov5's HSV gains U(-1,1) * hsv_h/s/v + 1 on uint8 (3,H,W) RGB, in RGB: saturation a blend
-    with V = max(R,G,B), value a product, hue a rotation about the grey axis (<= 2.7 deg off)."""
+    """yolov5's HSV gains U(-1,1) * hsv_h/s/v + 1 on uint8 (3,H,W) RGB, applied in RGB."""
+    # saturation: a blend with V = max(R,G,B); value: a product; hue: a rotation about the grey
+    # axis (<= 2.7 deg off yolov5's hue shift)
     gh, gs, gv = (random.uniform(-1, 1) * hyp[k] + 1 for k in ("hsv_h", "hsv_s", "hsv_v"))
     r, g, b = (Image.fromarray(c) for c in img.numpy())
     v = ImageChops.lighter(ImageChops.lighter(r, g), b)
@@ -154,12 +155,11 @@ def polygon_area(p: np.ndarray) -> float:
 
 
 def overlap_mask(polys: list, boxes: np.ndarray, out_hw: tuple, ratio: int = 4) -> torch.Tensor:
-    """Overlap index map (H//ratio, W//ratio) uint8 (int16 from 256 instances), value k: polys[k-1]
-    (m,2) output px, or boxes[k-1] (xyxy) if None; smaller painted on top (yolov5). A pixel is set
-    when its centre is inside: PIL truncates vertices and fills edges: drawn at 2x, sampled."""
+    """Overlap index map (H//ratio, W//ratio) uint8 (int16 from 256 instances): k where a pixel's
+    centre is in polys[k-1] (m,2) output px, or boxes[k-1] xyxy if None; smaller on top (yolov5)."""
     h, w = out_hw[0] // ratio, out_hw[1] // ratio
     m = Image.new("L" if len(boxes) < 256 else "I", (2 * w, 2 * h), 0)
-    draw = ImageDraw.Draw(m)
+    draw = ImageDraw.Draw(m)  # PIL truncates vertices and fills edges: drawn at 2x, sampled
     shapes = [c if p is None else p for p, c in zip(polys, box_corners(boxes))]
     for k in np.argsort(-np.array([polygon_area(s) for s in shapes]), kind="stable"):
         draw.polygon((shapes[k] * (2 / ratio) + 0.5).ravel().tolist(), fill=int(k) + 1)
