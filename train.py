@@ -23,8 +23,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn as nn
 import yaml
+from torch import nn, optim
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from val import AMP_HELP, evaluate, format_table, parse_kwargs, preprocess
@@ -40,8 +40,7 @@ NOMINAL_BATCH = 64  # detection: gradients accumulate over this many images befo
 HYP_FILES = {"classify": "hyp.cls.yaml"}  # no warmup, no accumulation; else hyp.scratch-low
 TASK_DEFAULTS = {"classify": dict(imgsz=224, batch_size=64, optimizer="Adam")}  # unless given
 DEFAULTS = dict(imgsz=640, batch_size=16, optimizer="SGD")
-OPTIMIZERS = {"SGD": torch.optim.SGD, "Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW}
-OPTIMIZERS |= {"RMSProp": torch.optim.RMSprop}
+OPTIMIZERS = dict(SGD=optim.SGD, Adam=optim.Adam, AdamW=optim.AdamW, RMSProp=optim.RMSprop)
 
 
 class ConfigError(ValueError):
