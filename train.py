@@ -107,8 +107,7 @@ def check_args(args: argparse.Namespace, task: str, world_size: int) -> None:
     if args.batch_size < world_size or args.batch_size % world_size:  # the global batch
         size = f"--batch-size {args.batch_size} must be a multiple of the world size {world_size}"
         raise ConfigError(size)
-    if args.imgsz % 32:
-        size = make_divisible(args.imgsz, 32)
+    if (size := make_divisible(args.imgsz, 32)) != args.imgsz:
         dist.print0(f"warning: --imgsz {args.imgsz} is not a multiple of 32, using {size}")
         args.imgsz = size
 
