@@ -101,12 +101,11 @@ def set_rng_state(state: dict) -> None:
 def training_state(model, ema, optimizer, scaler, epoch, best, args, hyp, rngs) -> dict:
     """All a run needs to continue; epoch: the last finished (0-based), best: (fitness, epoch).
     Its tensors are on the CPU: a file written on a GPU loads anywhere with torch.load."""
-    state = {"model_cfg": model.yaml, "names": list(model.names), "task": model.task}
-    state |= {"model": _cpu(model.state_dict()), "ema": _cpu(ema.ema.state_dict())}
-    state |= {"optimizer": _cpu(optimizer.state_dict()), "scaler": scaler.state_dict()}
-    state |= {"ema_updates": ema.updates}
-    state |= {"epoch": epoch, "best_fitness": best[0], "best_epoch": best[1]}
-    return state | {"args": vars(args), "hyp": hyp, "rng": {"world_size": len(rngs), "ranks": rngs}}
+    state = dict(model_cfg=model.yaml, names=list(model.names), task=model.task)
+    state |= dict(model=_cpu(model.state_dict()), ema=_cpu(ema.ema.state_dict()))
+    state |= dict(optimizer=_cpu(optimizer.state_dict()), scaler=scaler.state_dict())
+    state |= dict(ema_updates=ema.updates, epoch=epoch, best_fitness=best[0], best_epoch=best[1])
+    return state | dict(args=vars(args), hyp=hyp, rng=dict(world_size=len(rngs), ranks=rngs))
 
 
 def _cpu(state: dict) -> dict:
