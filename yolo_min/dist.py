@@ -58,8 +58,7 @@ def setup(device: str = "") -> DistInfo:
         # torchrun's agent keeps one store across restarts: a key prefix per attempt stops a
         # restarted group from reading the addresses of the dead one (pytorch/pytorch#135712)
         kw = dict(rank=rank, world_size=world_size, timeout=timeout)
-        store, _, _ = next(dist.rendezvous("env://", **kw))
-        store.set_timeout(timeout)
+        store, _, _ = next(dist.rendezvous("env://", **kw))  # a TCPStore with this timeout
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         store = dist.PrefixStore(f"yolo_min/attempt{attempt}", store)
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", store=store, **kw)
