@@ -181,12 +181,11 @@ def warmup(optimizer, it: int, warmup_iters: int, lf: float, hyp: dict, accumula
 # ---------------------------------------------------------------- one epoch
 def forward_loss(model, criterion: YOLOLoss, batch: dict, device, amp: torch.dtype | None):
     """(loss, loss items) of a batch: the model under autocast to amp (None: fp32), loss in fp32."""
-    classify = de_parallel(model).task == "classify"
-    images, targets = preprocess(batch["images"], device, classify), batch["targets"].to(device)
-    masks = batch["masks"].to(device) if batch.get("masks") is not None else None
+    images = preprocess(batch["images"], device, de_parallel(model).task == "classify")
+    labels = [batch[k].to(device) for k in ("targets", "masks") if batch.get(k) is not None]
     with torch.autocast(device.type, amp, enabled=amp is not None):
         preds = model(images)
-    return criterion(preds, targets, masks) if masks is not None else criterion(preds, targets)
+    return criterion(preds, *labels)  # the targets, and a segmentation batch's masks
 
 
 def optimizer_step(model, optimizer, scaler, ema: ModelEMA | None) -> None:
