@@ -68,9 +68,8 @@ def setup(device: str = "") -> DistInfo:
 def torchrun_id() -> str | None:
     """Under torchrun, an id of this run that survives its restarts (None without torchrun)."""
     run_id = os.environ.get("TORCHELASTIC_RUN_ID")
-    if run_id == "none":  # a static rendezvous: rank 0's launcher lives through the restarts
-        return f"{socket.gethostname()}:{os.getppid()}"
-    return run_id
+    # "none": a static rendezvous, whose rank 0's launcher lives through the restarts
+    return f"{socket.gethostname()}:{os.getppid()}" if run_id == "none" else run_id
 
 
 def cleanup() -> None:
