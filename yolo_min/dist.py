@@ -15,13 +15,12 @@ import torch.distributed as dist
 
 @dataclass(frozen=True)
 class DistInfo:
-    """This process: rank (0: the main one), world_size, local_world_size (processes on its node),
-    device (under torchrun: the node's GPU local_rank)."""
+    """This process: rank (0: the main one), world size, local world size (on its node), device."""
 
     rank: int
     world_size: int
     local_world_size: int
-    device: torch.device
+    device: torch.device  # under torchrun: its node's GPU local_rank
 
     @property
     def is_main(self) -> bool:
@@ -114,8 +113,8 @@ def reduce_mean(t: torch.Tensor) -> torch.Tensor:
 
 
 def run_on_main(fn, *args):
-    """fn(*args) on rank 0, its result on every rank; a ValueError there is raised on every rank
-    (no rank waits in a collective for one that gave up)."""
+    """fn(*args) on rank 0, its result on every rank; a ValueError there is raised on every rank."""
+    # so that no rank is left waiting in a collective for one that gave up
     box = [(None, None)]
     if is_main():
         try:
@@ -132,14 +131,13 @@ def run_on_main(fn, *args):
 
 @contextlib.contextmanager
 def main_first():
-    """The body on each node's local rank 0 first (e.g. to build a cache), then on the others,
-    released even when it raises on local rank 0."""
+    """The body on each node's local rank 0 first (e.g. to build a cache), then on the others."""
     first = int(os.environ.get("LOCAL_RANK", "0")) == 0
     if not first:
         barrier()
     try:
         yield
-    finally:
+    finally:  # the others are released even when the body raises on local rank 0
         if first:
             barrier()
 
