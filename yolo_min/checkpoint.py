@@ -99,8 +99,8 @@ def set_rng_state(state: dict) -> None:
 
 
 def training_state(model, ema, optimizer, scaler, epoch, best, args, hyp, rngs) -> dict:
-    """All a run needs to continue; epoch: the last finished (0-based), best: (fitness, epoch).
-    Its tensors are on the CPU: a file written on a GPU loads anywhere with torch.load."""
+    """All a run needs to continue; epoch: the last finished (0-based), best: (fitness, epoch)."""
+    # tensors on the CPU: a file written on a GPU loads anywhere with torch.load
     state = dict(model_cfg=model.yaml, names=list(model.names), task=model.task)
     state |= dict(model=_cpu(model.state_dict()), ema=_cpu(ema.ema.state_dict()))
     state |= dict(optimizer=_cpu(optimizer.state_dict()), scaler=scaler.state_dict())
@@ -215,8 +215,8 @@ def fitting_model(cfg, weights: dict) -> Model:
 
 
 def _classifier_cfg(state: dict) -> dict:
-    """A yolov5 classifier's config, which it does not pickle: yolov5n-cls.yaml at the depth and
-    width of its weights (layer 2's bottlenecks / 3, layer 0's channels / 64), and their classes."""
+    """A yolov5 classifier's config (it pickles none): yolov5n-cls.yaml at its weights' sizes."""
+    # depth: layer 2's bottlenecks / 3, width: layer 0's channels / 64, and the classes
     depth = len({k.split(".")[3] for k in state if k.startswith("model.2.m.")}) / 3
     width, nc = state["model.0.conv.weight"].shape[0] / 64, len(state["model.9.linear.bias"])
     return load_cfg("yolov5n-cls.yaml")[0] | dict(nc=nc, depth_multiple=depth, width_multiple=width)
