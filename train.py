@@ -217,8 +217,8 @@ def train_one_epoch(model, criterion, optimizer, scaler, ema, loader, epoch, arg
         if detect and it <= warmup_iters:
             accumulate = warmup(optimizer, it, warmup_iters, lf, hyp, nominal_accumulate)
         step = it - last_step >= accumulate or i == n - 1
-        sync = step or not isinstance(model, DDP)  # DDP all-reduces in backward: only at a step
-        with contextlib.nullcontext() if sync else model.no_sync():
+        # DDP all-reduces the gradients in backward: only at a step
+        with model.no_sync() if isinstance(model, DDP) and not step else contextlib.nullcontext():
             loss, items = forward_loss(model, criterion, batch, device, amp)
             values = dist.reduce_mean(torch.stack(list(items.values()))).cpu()
             if not torch.isfinite(values).all():  # the same on every rank: all stop together
