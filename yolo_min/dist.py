@@ -53,10 +53,9 @@ def setup(device: str = "") -> DistInfo:
         dev = torch.device("cuda", local_rank)  # under torchrun each rank owns one GPU
         torch.cuda.set_device(dev)
     if world_size > 1 and not dist.is_initialized():
-        timeout = datetime.timedelta(minutes=10)
         # torchrun's agent keeps one store across restarts: a key prefix per attempt stops a
         # restarted group from reading the addresses of the dead one (pytorch/pytorch#135712)
-        kw = dict(rank=rank, world_size=world_size, timeout=timeout)
+        kw = dict(rank=rank, world_size=world_size, timeout=datetime.timedelta(minutes=10))
         store, _, _ = next(dist.rendezvous("env://", **kw))  # a TCPStore with this timeout
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         store = dist.PrefixStore(f"yolo_min/attempt{attempt}", store)
