@@ -95,9 +95,8 @@ def load_hyp(changes: str | dict, task: str = "detect") -> dict:
 
 def check_args(args: argparse.Namespace, task: str, world_size: int) -> None:
     """ConfigError unless the arguments (given or resumed) are usable; the task's defaults."""
-    for k, v in TASK_DEFAULTS.get(task, DEFAULTS).items():
-        if getattr(args, k) is None:
-            setattr(args, k, v)
+    defaults = TASK_DEFAULTS.get(task, DEFAULTS)
+    vars(args).update({k: v for k, v in defaults.items() if getattr(args, k) is None})
     if min(args.epochs, args.log_every) < 1 or min(args.workers, args.patience) < 0:
         raise ConfigError("--epochs and --log-every must be >= 1, --workers and --patience >= 0")
     if args.imgsz < 32:
