@@ -3,8 +3,7 @@
     python train.py --cfg yolov5n-seg.yaml --data coco128-seg.yaml --epochs 100 --imgsz 640
     torchrun --standalone --nproc_per_node 4 train.py --data coco.yaml --batch-size 64  # global
 
---resume continues a run exactly; after a torchrun restart it does so by itself.
-"""
+--resume continues a run exactly; after a torchrun restart it does so by itself."""
 
 from __future__ import annotations
 
