@@ -355,8 +355,12 @@ def fit(args, info) -> dict:
             dist.print0(f"Early stop: no improvement in {args.patience} epochs, {best_epoch}")
             break
     dist.print0(f"{epoch + 1 - start} epochs in {(time.time() - t_start) / 3600:.3f} hours")
-    if best[1] != epoch or not metrics:  # best.pt is not the model validated last
-        metrics = final_validation(ema, val_loader, save_dir, amp)
+    if best[1] != epoch or not metrics:  # best.pt (else last.pt) is not the model validated last
+        path = save_dir / "weights" / "best.pt"
+        path = path if path.is_file() else path.with_name("last.pt")
+        dist.print0(f"Validating {path}")
+        ema.ema.load_state_dict(dist.run_on_main(lambda: checkpoint.load(path)["ema"]))
+        metrics = evaluate(ema.ema, val_loader, val_loader.dataset, plots_dir=save_dir, amp=amp)
     dist.print0(format_table(metrics, ema.ema.names) + f"\nResults saved to {save_dir}")
     out = dict(save_dir=str(save_dir), epochs=epoch + 1, best_fitness=best[0], metrics=metrics)
     return out | dict(img_s=img_s)
@@ -384,15 +388,6 @@ def log_epoch(save_dir: Path, epoch, args, losses: dict, metrics, optimizer, img
     path.write_text("".join(lines) + ",".join(map(str, row.values())) + "\n")
     val = "  ".join(f"{k} {v:.3f}" for k, v in metrics["metrics"].items()) if metrics else "no val"
     print(f"epoch {epoch + 1}/{args.epochs}: {img_s:.1f} img/s  {val}", flush=True)
-
-
-def final_validation(ema: ModelEMA, loader, save_dir: Path, amp) -> dict:
-    """Validate best.pt (or last.pt) once more, with plots; rank 0 prints the table."""
-    weights = save_dir / "weights"
-    path = weights / "best.pt" if (weights / "best.pt").is_file() else weights / "last.pt"
-    dist.print0(f"Validating {path}")
-    ema.ema.load_state_dict(dist.run_on_main(lambda: checkpoint.load(path)["ema"]))
-    return evaluate(ema.ema, loader, loader.dataset, plots_dir=save_dir, amp=amp)
 
 
 def main(args: argparse.Namespace) -> dict:
