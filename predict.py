@@ -231,7 +231,7 @@ def main(args: argparse.Namespace) -> dict:
         seen, n_det, speed, entries = 0, 0, np.zeros(3), []
         t0 = last = time.time()
         for i, r in enumerate(stream(model, mine, *options, agnostic=args.agnostic_nms, **nms), 1):
-            if info.is_main and time.time() - last > 10 and i < len(mine):  # progress, every 10 s
+            if info.rank == 0 and time.time() - last > 10 and i < len(mine):  # progress, every 10 s
                 last, rate = time.time(), i / (time.time() - t0)
                 eta = f"eta {(len(mine) - i) / rate:.0f}s"
                 print(f"{i}/{len(mine)} images  {rate:.1f} images/s  {eta}", flush=True)
@@ -246,7 +246,7 @@ def main(args: argparse.Namespace) -> dict:
         ranks = dist.all_gather_object((seen, len(mine) - seen, n_det, speed, entries))
         seen, skipped, n_det, speed = (sum(r[i] for r in ranks) for i in range(4))
         speed = dict(zip(STAGES, (speed / max(seen, 1)).tolist()))
-        if info.is_main:
+        if info.rank == 0:
             if args.save_json:
                 entries = [e for _, e in sorted(e for r in ranks for e in r[4])]
                 (save_dir / "predictions.json").write_text(json.dumps(entries))

@@ -129,7 +129,7 @@ def build_model(args, data: dict, ckpt: dict | None) -> Model:
 def build_loaders(args, hyp: dict, model: Model, data: dict, info) -> tuple:
     """(train, val) DataLoaders of YOLODatasets (mosaic; rect val batches) or ClassifyDatasets."""
     datasets.check_task(data, model.task)
-    batch, kw = args.batch_size // info.world_size, dict(imgsz=args.imgsz, verbose=info.is_main)
+    batch, kw = args.batch_size // info.world_size, dict(imgsz=args.imgsz, verbose=info.rank == 0)
     if model.task == "classify":
         train = ClassifyDataset(data["train"][0], augment=True, prefix="train: ", **kw)
         val = ClassifyDataset(data["val"][0], prefix="val: ", **kw)
@@ -341,7 +341,7 @@ def fit(args, info) -> dict:
             best = max(best, (metrics["fitness"], epoch))  # equal fitness: the later epoch
         stop = metrics and args.patience and epoch - best[1] >= args.patience
         rngs = dist.all_gather_object(checkpoint.rng_state())
-        if info.is_main:
+        if info.rank == 0:
             log_epoch(save_dir, epoch, args, losses, metrics, optimizer, speed, task)
             if stop or epoch + 1 == args.epochs or not args.nosave:
                 opt = (optimizer, scaler, epoch, best, args, hyp, rngs)

@@ -201,10 +201,10 @@ def main(args: argparse.Namespace) -> dict:
             if args.coco_ids and data["nc"] != 80:
                 raise ValueError(f"--coco-ids: {args.data} does not have the 80 COCO classes")
             if model.task == "classify":
-                dataset = datasets.ClassifyDataset(data["val"][0], imgsz, verbose=info.is_main)
+                dataset = datasets.ClassifyDataset(data["val"][0], imgsz, verbose=info.rank == 0)
             else:
                 kw = dict(task=model.task, stride=int(model.stride.max()), nc=data["nc"])
-                kw |= dict(rect=True, batch_size=args.batch_size, verbose=info.is_main)
+                kw |= dict(rect=True, batch_size=args.batch_size, verbose=info.rank == 0)
                 dataset = datasets.YOLODataset(data["val"], imgsz, **kw, **local)
             if model.task == "segment":
                 dataset.check_polygons()
@@ -217,7 +217,7 @@ def main(args: argparse.Namespace) -> dict:
         kw = dict(plots_dir=save_dir if args.plots else None, coco_ids=args.coco_ids)
         kw |= dict(save_json=save_dir / "predictions.json" if args.save_json else None)
         res = evaluate(model, loader, dataset, VAL_NMS | nms, amp=amp, **kw)
-        if info.is_main:
+        if info.rank == 0:
             print(format_table(res, data["names"], args.verbose))
             print(speed_line(res["speed"], f"{imgsz} (rank 0)"))
             summary = {k: v for k, v in res.items() if k != "per_class"}

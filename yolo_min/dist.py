@@ -22,10 +22,6 @@ class DistInfo:
     local_world_size: int
     device: torch.device  # under torchrun: its node's GPU local_rank
 
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
 
 def select_device(device: str = "") -> torch.device:
     """'' -> cuda:0 if available else cpu; 'cpu'; 'cuda'; '0' or 'cuda:1'."""
