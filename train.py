@@ -320,9 +320,12 @@ def fit(args, info) -> dict:
     if ckpt:  # what `checkpoint.training_state` saves at the end of each epoch, below
         state = (de_parallel(model), ema, optimizer, scaler, info.rank, info.world_size)
         try:
-            checkpoint.restore(ckpt, *state)
+            exact = checkpoint.restore(ckpt, *state)
         except checkpoint.CheckpointError as e:
             raise ConfigError(f"--resume: {args.resume}: {e}") from None
+        if not exact:
+            sizes = f"saved with world size {ckpt['rng']['world_size']}, now {info.world_size}"
+            dist.print0(f"warning: {sizes}: random states are not restored (not an exact resume)")
         start, best = ckpt["epoch"] + 1, (ckpt["best_fitness"], ckpt["best_epoch"])
         dist.print0(f"Resuming {save_dir} at epoch {start + 1}/{args.epochs}")
     where = f"{info.world_size} rank(s) on {info.device.type}, batch {args.batch_size}"

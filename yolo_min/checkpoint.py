@@ -114,9 +114,9 @@ def _cpu(state: dict) -> dict:
     return {k: v.cpu() if torch.is_tensor(v) else v for k, v in cpu.items()}
 
 
-def restore(ckpt: dict, model, ema, optimizer, scaler, rank: int, world_size: int) -> None:
-    """Load what `training_state` saved into fresh training objects and this rank's random states
-    (of another world size: not restored, rank 0 warns); CheckpointError if it does not fit."""
+def restore(ckpt: dict, model, ema, optimizer, scaler, rank: int, world_size: int) -> bool:
+    """Load what `training_state` saved into fresh training objects and this rank's random states:
+    False if the saved world size differs (not restored), CheckpointError if it does not fit."""
     with _one_line_errors("cannot restore its training state: "):
         model.load_state_dict(ckpt["model"])
         ema.ema.load_state_dict(ckpt["ema"])
@@ -129,11 +129,10 @@ def restore(ckpt: dict, model, ema, optimizer, scaler, rank: int, world_size: in
             raise CheckpointError("its optimizer state does not fit this model's optimizer")
         if ckpt["scaler"]:  # empty when saved without a CUDA scaler
             scaler.load_state_dict(ckpt["scaler"])
-        if (saved := ckpt["rng"]["world_size"]) == world_size:
-            set_rng_state(ckpt["rng"]["ranks"][rank])
-        elif rank == 0:
-            sizes = f"warning: saved with world size {saved}, now {world_size}"
-            print(f"{sizes}: random states are not restored (not an exact resume)", flush=True)
+        if ckpt["rng"]["world_size"] != world_size:
+            return False
+        set_rng_state(ckpt["rng"]["ranks"][rank])
+    return True
 
 
 def save(state: dict, path: str | Path) -> None:
