@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import gc
 import math
 import os
 import random
@@ -26,7 +25,7 @@ import yaml
 from torch import nn, optim
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from val import AMP_HELP, evaluate, format_table, parse_kwargs, preprocess
+import val
 from yolo_min import checkpoint, datasets, dist
 from yolo_min.anchors import check_anchors
 from yolo_min.datasets import ClassifyDataset, YOLODataset, build_dataloader
@@ -57,7 +56,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--imgsz", type=int, help="train and val image size (640; classify 224)")
     p.add_argument("--optimizer", choices=list(OPTIMIZERS), help="SGD (classify: Adam)")
     p.add_argument("--device", default="", help="cpu, cuda or a GPU index")
-    p.add_argument("--amp", choices=["auto", "on", "off"], default="auto", help=AMP_HELP)
+    p.add_argument("--amp", choices=["auto", "on", "off"], default="auto", help=val.AMP_HELP)
     p.add_argument("--workers", type=int, default=8, help="dataloader workers per rank")
     p.add_argument("--project", default="runs/train")
     p.add_argument("--name", default="exp")
@@ -179,7 +178,7 @@ def warmup(optimizer, it: int, warmup_iters: int, lf: float, hyp: dict, accumula
 # ---------------------------------------------------------------- one epoch
 def forward_loss(model, criterion: YOLOLoss, batch: dict, device, amp: torch.dtype | None):
     """(loss, loss items) of a batch: the model under autocast to amp (None: fp32), loss in fp32."""
-    images = preprocess(batch["images"], device, de_parallel(model).task == "classify")
+    images = val.preprocess(batch["images"], device, de_parallel(model).task == "classify")
     labels = [batch[k].to(device) for k in ("targets", "masks") if batch.get(k) is not None]
     with torch.autocast(device.type, amp, enabled=amp is not None):
         preds = model(images)
@@ -340,7 +339,7 @@ def fit(args, info) -> dict:
         if epoch + 1 == args.epochs or not args.noval:  # BN buffers differ between DDP ranks:
             dist.broadcast_tensors(ema.ema.state_dict().values())  # all validate rank 0's EMA
             plots = save_dir if epoch + 1 == args.epochs else None  # as the final validation's
-            metrics = evaluate(ema.ema, val_loader, val_loader.dataset, plots_dir=plots, amp=amp)
+            metrics = val.evaluate(ema.ema, val_loader, plots_dir=plots, amp=amp)
             best = max(best, (metrics["fitness"], epoch))  # equal fitness: the later epoch
         stop = metrics and args.patience and epoch - best[1] >= args.patience
         rngs = dist.all_gather_object(checkpoint.rng_state())
@@ -363,8 +362,8 @@ def fit(args, info) -> dict:
         path = path if path.is_file() else path.with_name("last.pt")
         dist.print0(f"Validating {path}")
         ema.ema.load_state_dict(dist.run_on_main(lambda: checkpoint.load(path)["ema"]))
-        metrics = evaluate(ema.ema, val_loader, val_loader.dataset, plots_dir=save_dir, amp=amp)
-    dist.print0(format_table(metrics, ema.ema.names) + f"\nResults saved to {save_dir}")
+        metrics = val.evaluate(ema.ema, val_loader, plots_dir=save_dir, amp=amp)
+    dist.print0(val.format_table(metrics, ema.ema.names) + f"\nResults saved to {save_dir}")
     out = dict(save_dir=str(save_dir), epochs=epoch + 1, best_fitness=best[0], metrics=metrics)
     return out | dict(img_s=img_s)
 
@@ -407,7 +406,7 @@ def main(args: argparse.Namespace) -> dict:
 
 def run(**kwargs) -> dict:
     """train.py from Python: `train.run(cfg="yolov5n-seg.yaml", epochs=3)` returns fit's dict."""
-    return main(parse_kwargs(get_args_parser(), kwargs))
+    return main(val.parse_kwargs(get_args_parser(), kwargs))
 
 
 def cli() -> None:
@@ -415,13 +414,8 @@ def cli() -> None:
     loss or a checkpoint that cannot be written, 130 / 143 when stopped by Ctrl-C / SIGTERM."""
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:  # under torchrun SIGTERM ends a rank at once
         signal.signal(signal.SIGTERM, stop_on_sigterm)
-    gc.freeze()  # as val.cli: forked workers share torch's pages, and exiting is ~0.7 s faster
-    try:
-        main(get_args_parser().parse_args())
-    except ConfigError as e:
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"train.py: error: {e}", file=sys.stderr)
-        sys.exit(2)
+    try:  # val.py's command line: a ConfigError is one line from rank 0, exit 2
+        val.cli(main, get_args_parser(), errors=(ConfigError,))
     except (FloatingPointError, checkpoint.SaveError) as e:  # last.pt holds the last good epoch
         sys.exit(f"train.py: {e}")
     except KeyboardInterrupt as e:

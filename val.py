@@ -69,7 +69,7 @@ def score_image(dataset, index: int, det, shape, input_hw, protos=None, cat_ids=
 
 @torch.no_grad()
 def evaluate(
-    model, loader, dataset, nms=VAL_NMS, plots_dir=None, save_json=None, coco_ids=False, amp=None
+    model, loader, nms=VAL_NMS, plots_dir=None, save_json=None, coco_ids=False, amp=None
 ) -> dict:
     """metrics.summarize(_classes) of all ranks (call it on each) and "speed" (ms by STAGES); rank 0
     draws 3 batches in plots_dir, writes COCO results to save_json (ids cls + 1, or COCO-91)."""
@@ -88,7 +88,7 @@ def evaluate(
             continue
         hw = batch["images"].shape[2:]
         for i, det, shape, proto in zip(batch["indices"].tolist(), dets, batch["shapes"], protos):
-            records.append(score_image(dataset, i, det, shape, hw, proto, cat_ids))
+            records.append(score_image(loader.dataset, i, det, shape, hw, proto, cat_ids))
         if plots_dir is not None and bi < 3 and dist.is_main():
             plot_batch(batch, dets, protos, Path(plots_dir) / f"val_batch{bi}", model.names)
     records = metrics.merge_records(dist.all_gather_object(records))
@@ -216,7 +216,7 @@ def main(args: argparse.Namespace) -> dict:
         nms = dict(conf_thres=args.conf_thres, iou_thres=args.iou_thres, max_det=args.max_det)
         kw = dict(plots_dir=save_dir if args.plots else None, coco_ids=args.coco_ids)
         kw |= dict(save_json=save_dir / "predictions.json" if args.save_json else None)
-        res = evaluate(model, loader, dataset, VAL_NMS | nms, amp=amp, **kw)
+        res = evaluate(model, loader, VAL_NMS | nms, amp=amp, **kw)
         if info.rank == 0:
             print(format_table(res, data["names"], args.verbose))
             print(speed_line(res["speed"], f"{imgsz} (rank 0)"))
@@ -243,12 +243,12 @@ def run(**kwargs) -> dict:
     return main(parse_kwargs(get_args_parser(), kwargs))
 
 
-def cli(main, parser: argparse.ArgumentParser) -> None:
-    """main(the command line); a bad argument, weights or file (ValueError, OSError): exit 2."""
+def cli(main, parser: argparse.ArgumentParser, errors=(ValueError, OSError)) -> None:
+    """main(the command line); errors (a bad argument, weights or file): one line, exit 2."""
     gc.freeze()  # torch's millions of objects: no collection walks them again, not even at exit
     try:
         main(parser.parse_args())
-    except (ValueError, OSError) as e:
+    except errors as e:
         why = f"{parser.prog}: error: {str(e).splitlines()[0]}\n"
         parser.exit(2, why if int(os.environ.get("RANK", "0")) == 0 else None)  # printed once
 

@@ -32,6 +32,14 @@ LAYOUTS = {  # name: (--amp, channels_last)
 }
 
 
+class FirstBatch(list):
+    """A loader's first batch, with its dataset: what evaluate reads (a warm-up)."""
+
+    def __init__(self, loader):
+        super().__init__([next(iter(loader))])
+        self.dataset = loader.dataset
+
+
 def val_rates(
     tasks=("detect", "segment"),
     sizes=(320, 640),
@@ -65,9 +73,9 @@ def val_rates(
                 model.to(
                     memory_format=torch.channels_last if channels_last else torch.contiguous_format
                 )
-                val.evaluate(model, [next(iter(loader))], ds, nms, amp=dtype)  # warm-up
+                val.evaluate(model, FirstBatch(loader), nms, amp=dtype)  # warm-up
                 t = time.perf_counter()
-                res = val.evaluate(model, loader, ds, nms, amp=dtype)
+                res = val.evaluate(model, loader, nms, amp=dtype)
                 dt = time.perf_counter() - t
                 row = dict(task=task, imgsz=imgsz, layout=layout, img_s=res["images"] / dt)
                 rows.append(row | dict(seconds=dt, images=res["images"], speed=res["speed"]))

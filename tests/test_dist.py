@@ -93,7 +93,7 @@ def test_gathered_validation_equals_one_process(shapes_runs, small_shapes):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the ranks ran (OMP_NUM_THREADS=1): bit-equal convolutions
     try:
-        metrics = evaluate(model, loader, ds)
+        metrics = evaluate(model, loader)
     finally:
         torch.set_num_threads(threads)
     last = rows(two)[-1]

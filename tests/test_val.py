@@ -100,7 +100,7 @@ def test_evaluate_oracle_matches_pycocotools_on_predictions_json(data_dir, tmp_p
     )
     loader, _ = build_dataloader(dataset, 2, workers=0, shuffle=False)
     model = Oracle(dataset, 2, task)
-    res = val.evaluate(model, loader, dataset, save_json=tmp_path / "p.json")
+    res = val.evaluate(model, loader, save_json=tmp_path / "p.json")
     m = res["metrics"]
     assert (
         res["images"] == 4
@@ -120,7 +120,7 @@ def test_evaluate_oracle_matches_pycocotools_on_predictions_json(data_dir, tmp_p
         assert m["mAP50(M)"] == pytest.approx(ap50, abs=0.005)
         want = sum(0.1 * m[f"mAP50({k})"] + 0.9 * m[f"mAP50-95({k})"] for k in "BM")
         assert res["fitness"] == pytest.approx(want)
-    again = val.evaluate(Oracle(dataset, 2, task), loader, dataset)  # no json: pruned mask work
+    again = val.evaluate(Oracle(dataset, 2, task), loader)  # no json: pruned mask work
     assert again["metrics"] == res["metrics"]
     table = val.format_table(res, data["names"], verbose=True)
     assert "person" in table and len(table.splitlines()) == 2 + len(res["per_class"])
