@@ -39,8 +39,7 @@ class Bottleneck(nn.Module):
         self.add = shortcut and c1 == c2
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.cv2(self.cv1(x))
-        return x + y if self.add else y
+        return x + self.cv2(self.cv1(x)) if self.add else self.cv2(self.cv1(x))
 
 
 class C3(nn.Module):
@@ -124,11 +123,10 @@ class Detect(nn.Module):
 
     def _decode(self, x: torch.Tensor, i: int) -> torch.Tensor:
         _, _, ny, nx, _ = x.shape
-        ys, xs = torch.meshgrid(torch.arange(ny), torch.arange(nx), indexing="ij")
-        grid = torch.stack((xs, ys), 2).view(1, 1, ny, nx, 2).to(x) - 0.5
+        grid = torch.stack(torch.meshgrid(torch.arange(nx), torch.arange(ny), indexing="xy"), 2)
         anchor_px = (self.anchors[i] * self.stride[i]).view(1, self.na, 1, 1, 2).to(x)
         xy, wh, conf, coefs = x.split((2, 2, self.nc + 1, self.nm), 4)
-        xy = (xy.sigmoid() * 2 + grid) * self.stride[i]
+        xy = (xy.sigmoid() * 2 + (grid.to(x) - 0.5)) * self.stride[i]  # grid (ny, nx, 2) [x, y]
         wh = (wh.sigmoid() * 2) ** 2 * anchor_px
         return torch.cat((xy, wh, conf.sigmoid(), coefs), 4).view(len(x), -1, self.no)
 
