@@ -33,8 +33,7 @@ def image_record(index: int, conf, pred_cls, gt_cls, ious: dict) -> dict:
     """What AP needs from one image: conf (n,), pred_cls (n,), gt_cls (m,), ious {"box" and/or
     "mask": (n, m) float64} -> {"index", "conf", "cls", "gt_cls", "tp": {kind: (n, T) bool}}."""
     conf = np.asarray(conf, dtype=np.float64).reshape(-1)
-    pred_cls = np.asarray(pred_cls, dtype=np.int64).reshape(-1)
-    gt_cls = np.asarray(gt_cls, dtype=np.int64).reshape(-1)
+    pred_cls, gt_cls = (np.asarray(c, dtype=np.int64).reshape(-1) for c in (pred_cls, gt_cls))
     tp = {kind: match_predictions(iou, conf, pred_cls, gt_cls) for kind, iou in ious.items()}
     return {"index": int(index), "conf": conf, "cls": pred_cls, "gt_cls": gt_cls, "tp": tp}
 
