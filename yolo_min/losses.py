@@ -17,15 +17,17 @@ _OFFSETS = torch.tensor([[0.0, 0.0], [1.0, 0.0], [0.0, 1.0], [-1.0, 0.0], [0.0, 
 
 
 def scale_hyp(hyp: dict, nc: int, imgsz: int, nl: int = 3) -> dict:
-    """A copy of hyp with the loss gains, tuned for 80 classes, 640 pixels and 3 levels, rescaled
-    as training does: cls ~ classes, obj ~ cells per image, all ~ 1 / levels."""
+    """A copy of hyp with the loss gains box, cls, obj rescaled for nc classes, imgsz, nl levels."""
+    # hyp's gains are tuned for 80 classes, 640 pixels and 3 levels; training rescales them so:
+    # cls ~ classes, obj ~ cells per image, all ~ 1 / levels
     gains = dict(box=3 / nl, cls=nc / 80 * 3 / nl, obj=(imgsz / 640) ** 2 * 3 / nl)
     return hyp | {k: hyp[k] * gain for k, gain in gains.items()}
 
 
 def bbox_ciou(box1: torch.Tensor, box2: torch.Tensor, eps: float = 1e-7) -> torch.Tensor:
-    """Complete IoU (n,) of paired xywh boxes box1, box2 (n, 4): IoU - centre distance^2 /
-    enclosing diagonal^2 - alpha * v (aspect term), alpha constant for the gradient (as yolov5)."""
+    """Complete IoU (n,) of paired xywh boxes box1, box2 (n, 4), as yolov5's."""
+    # IoU - centre distance^2 / enclosing diagonal^2 - alpha * v (aspect term), alpha constant for
+    # the gradient (as yolov5)
     (x1, y1, w1, h1), (x2, y2, w2, h2) = box1.unbind(-1), box2.unbind(-1)
     l1, r1, t1, b1 = x1 - w1 / 2, x1 + w1 / 2, y1 - h1 / 2, y1 + h1 / 2
     l2, r2, t2, b2 = x2 - w2 / 2, x2 + w2 / 2, y2 - h2 / 2, y2 + h2 / 2
@@ -49,8 +51,7 @@ class YOLOLoss:
     preds: train-mode output, nl raw maps (bs, na, ny, nx, 5+nc+nm); segment: (maps, protos
         (bs, nm, Hp, Wp)). targets: (N, 6) [img_idx, cls, cx, cy, w, h], xywh normalised.
     masks (segment): (bs, Hm, Wm) overlap index maps, value k = the image's k-th target (1-based).
-    items: detached per-image means; loss = sum(items) * bs * world_size, the summed per-image
-    losses of the global batch, as DDP averages gradients over ranks."""
+    items: detached per-image means; loss = sum(items) * bs * world_size."""
 
     def __init__(self, model: nn.Module, hyp: dict, world_size: int = 1):
         self.head = de_parallel(model).head  # anchors read per call: AutoAnchor may change them
@@ -132,20 +133,22 @@ class YOLOLoss:
         items = dict(box=lbox * hyp["box"], seg=lseg, obj=lobj * hyp["obj"], cls=lcls * hyp["cls"])
         if protos is None:
             del items["seg"]
+        # the summed per-image losses of the global batch, as DDP averages gradients over ranks
         loss = sum(items.values()) * bs * self.world_size
         return loss, {k: v.detach()[0] for k, v in items.items()}
 
     def _seg_loss(self, parts: list, protos, masks, images: torch.Tensor) -> torch.Tensor:
-        """Sum over levels and images of the mean mask loss of the positives: BCE of (coefs @ its
-        image's protos) against its mask, inside its box only, mean over the map / box area.
+        """Sum over levels and images of the mean mask loss of the positives (see the comments);
         parts: per level (b (n,), level * bs + b (n,), coefs (n, nm), target rows k (n,), xywhn
         (n, 4)); images (N,): the targets' image indices."""
+        # a positive's loss: BCE of (coefs @ its image's protos) against its mask, inside its box
+        # only, mean over the map / box area
         bs, nm, mh, mw = protos.shape
         if masks.shape[-2:] != (mh, mw):
             masks = F.interpolate(masks[None].float(), (mh, mw), mode="nearest")[0]
-        b, group, coefs, k, xywhn = (torch.cat(x) for x in zip(*parts))
-        order = torch.argsort(b, stable=True)  # group the positives by image: one matmul per image
-        b, group, coefs, k, xywhn = b[order], group[order], coefs[order], k[order], xywhn[order]
+        # the positives grouped by image: one matmul per image
+        order = torch.argsort(torch.cat([b for b, *_ in parts]), stable=True)
+        b, group, coefs, k, xywhn = (torch.cat(x)[order] for x in zip(*parts))
         onehot = F.one_hot(images.long(), bs)  # masks: value j = the image's j-th target (1-based)
         idx = (onehot.cumsum(0) * onehot).sum(1)[k]  # the positives' values in masks
         # Only the pixels inside the box count, and a box is a small part of the map: list them
