@@ -49,8 +49,9 @@ def kmeans(x: np.ndarray, k: int, rng: np.random.Generator, iters: int = 30) -> 
 
 
 def fit_anchors(wh: np.ndarray, n: int = 9, thr: float = 4.0, gens=1000, seed=0) -> np.ndarray:
-    """n anchors (n, 2), sorted by area: k-means on the sizes scaled by their standard deviation,
-    then `gens` generations of random multiplicative mutations, kept when the fitness improves."""
+    """n anchors (n, 2) for the label sizes wh (m, 2) in pixels, sorted by area."""
+    # k-means on the sizes scaled by their standard deviation, then `gens` generations of random
+    # multiplicative mutations, kept when the fitness improves
     rng = np.random.default_rng(seed)
     wh = wh[(wh >= 2.0).any(1)].astype(np.float64)  # boxes under 2 pixels teach nothing
     if len(wh) < n:
