@@ -113,9 +113,8 @@ class Detect(nn.Module):
         # ~0.07 mAP50 in bfloat16 (shapes, 30 epochs: 0.886 vs 0.958); "cpu" also on meta
         with torch.autocast("cuda" if xs[0].is_cuda else "cpu", enabled=False):
             for conv, x in zip(self.m, xs):
-                bs, _, ny, nx = x.shape
-                x = conv(x.float()).view(bs, self.na, self.no, ny, nx)
-                x = x.permute(0, 1, 3, 4, 2)  # channels_last (--amp) is laid out so: no copy
+                x = conv(x.float()).unflatten(1, (self.na, self.no)).permute(0, 1, 3, 4, 2)
+                # (bs, na, ny, nx, no): channels_last (--amp) is laid out so, no copy
                 raw.append(x if x.stride(-1) == 1 else x.contiguous())
         if self.training:
             return raw
@@ -170,8 +169,9 @@ TASKS = {Detect: "detect", Segment: "segment", Classify: "classify"}  # from the
 
 
 def amp_dtype(device: torch.device, mode: str = "auto") -> torch.dtype | None:
-    """The autocast dtype of --amp {auto,on,off} on device, None: float32. auto: float16 on CUDA,
-    bfloat16 on a CPU with native bf16 (AVX512-BF16, AMX, Arm BF16); on: also if emulated."""
+    """The autocast dtype of --amp {auto,on,off} on device, None: float32."""
+    # auto: float16 on CUDA, bfloat16 on a CPU with native bf16 (AVX512-BF16, AMX, Arm BF16);
+    # on: also where bf16 is emulated; off, and other devices: float32
     if mode == "off" or device.type not in ("cuda", "cpu"):
         return None
     if device.type == "cuda":
