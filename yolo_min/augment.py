@@ -31,10 +31,8 @@ def affine_matrix(in_wh: tuple, out_wh: tuple, hyp: dict) -> tuple[np.ndarray, f
     s = random.uniform(1 - hyp["scale"], 1 + hyp["scale"])
     c, n = s * math.cos(a), s * math.sin(a)
     R = np.array([[c, n, 0], [-n, c, 0], [0, 0, 1]])
-    S[0, 1] = math.tan(math.radians(random.uniform(-sh, sh)))
-    S[1, 0] = math.tan(math.radians(random.uniform(-sh, sh)))
-    T[0, 2] = random.uniform(0.5 - tr, 0.5 + tr) * out_wh[0]
-    T[1, 2] = random.uniform(0.5 - tr, 0.5 + tr) * out_wh[1]
+    S[0, 1], S[1, 0] = (math.tan(math.radians(random.uniform(-sh, sh))) for _ in range(2))
+    T[0, 2], T[1, 2] = (random.uniform(0.5 - tr, 0.5 + tr) * size for size in out_wh)
     return T @ S @ R @ P @ C, s
 
 
@@ -112,8 +110,7 @@ def place_labels(pieces: list, labels: list, M: np.ndarray, sc: float, out_wh: t
         y = np.clip(pts[..., 1] * (h0 * p.r) + p.oy + dy, p.clip[1], p.clip[3])
         before = np.stack([x.min(1), y.min(1), x.max(1), y.max(1)], 1)
         d = M[2, 0] * x + M[2, 1] * y + M[2, 2]  # exactly 1 for an affine M
-        qx = (M[0, 0] * x + M[0, 1] * y + M[0, 2]) / d
-        qy = (M[1, 0] * x + M[1, 1] * y + M[1, 2]) / d
+        qx, qy = ((M[r, 0] * x + M[r, 1] * y + M[r, 2]) / d for r in (0, 1))
         # a polygon's box: the extent of its points inside the output; a box's: its corners, clipped
         ins = (qx >= 0) & (qx <= W) & (qy >= 0) & (qy <= H) if seg else np.ones_like(qx, bool)
         lo = [np.where(ins, q, np.inf).min(1) for q in (qx, qy)]
