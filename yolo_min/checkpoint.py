@@ -129,17 +129,16 @@ def restore(ckpt: dict, model, ema, optimizer, scaler, rank: int, world_size: in
             raise CheckpointError("its optimizer state does not fit this model's optimizer")
         if ckpt["scaler"]:  # empty when saved without a CUDA scaler
             scaler.load_state_dict(ckpt["scaler"])
-        if ckpt["rng"]["world_size"] != world_size:
-            return False
-        set_rng_state(ckpt["rng"]["ranks"][rank])
-    return True
+        if same_size := ckpt["rng"]["world_size"] == world_size:
+            set_rng_state(ckpt["rng"]["ranks"][rank])
+    return same_size
 
 
 def save(state: dict, path: str | Path) -> None:
-    """torch.save to path.tmp, fsync, rename over path: a crash, kill or full disk at any moment
-    leaves the previous file whole; SIGINT and SIGTERM take effect once the write is done."""
-    tmp = Path(f"{path}.tmp")
-    # a KeyboardInterrupt inside torch.save would break its zip writer: hold it
+    """torch.save atomically: a crash, kill or full disk (SaveError) leaves the old file whole."""
+    tmp = Path(f"{path}.tmp")  # written, fsynced, then renamed over path
+    # SIGINT and SIGTERM take effect once the write is done: a KeyboardInterrupt inside torch.save
+    # would break its zip writer
     held, signals = [], (signal.SIGINT, signal.SIGTERM)
     old = {s: signal.signal(s, lambda signum, _: held.append(signum)) for s in signals}
     try:
@@ -233,17 +232,17 @@ def _one_line_errors(prefix: str):
 
 
 def _read(path: str | Path):
-    """The file's object, read once: a zip of stored members (none inflates) whose pickles pass
-    `check_tuples`, loaded with weights_only=True (else by `_Pickle`), passing `check_tree`."""
+    """The file's object, read once, if it passes the checks; else CheckpointError (one line)."""
+    # a zip of stored members (none inflates) whose pickles pass `check_tuples`, loaded with
+    # weights_only=True (else by `_Pickle`), passing `check_tree`
     try:
         data = Path(path).read_bytes()
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read it ({e.strerror})") from None
-    try:
+    members = []  # stays so: not a zip (a legacy torch file, text, ...), or a damaged one
+    with contextlib.suppress(Exception):
         archive = zipfile.ZipFile(io.BytesIO(data))
         members = archive.infolist()
-    except Exception:  # not a zip (a legacy torch file, text, ...), or a damaged one
-        members = []
     stored = all(m.compress_type == zipfile.ZIP_STORED for m in members)
     if not members or not stored or sum(m.file_size for m in members) > len(data):
         raise CheckpointError(f"{path}: not a PyTorch checkpoint (a zip of stored files)")
@@ -286,8 +285,8 @@ def check_tree(root, max_bytes: int) -> None:
 
 
 def check_tuples(pkl: bytes) -> None:
-    """Refuse a pickle building a tuple of over MAX_TUPLES tuples (shared ones counted each time),
-    or 1000 times that in all: hashing such dict keys would hang or crash."""
+    """Refuse a pickle building a tuple of over MAX_TUPLES tuples, or 1000 times that in all."""
+    # hashing such dict keys would hang or crash; shared tuples are counted each time
     # follows the opcodes' stack effects: each stack value is the number of tuples an object holds
     stack, marks, memo, total = [], [], {}, 0
     for op, arg, _ in pickletools.genops(pkl):
