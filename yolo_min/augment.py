@@ -110,7 +110,7 @@ def place_labels(pieces: list, labels: list, M: np.ndarray, sc: float, out_wh: t
         y = np.clip(pts[..., 1] * (h0 * p.r) + p.oy + dy, p.clip[1], p.clip[3])
         before = np.stack([x.min(1), y.min(1), x.max(1), y.max(1)], 1)
         d = M[2, 0] * x + M[2, 1] * y + M[2, 2]  # exactly 1 for an affine M
-        qx, qy = ((M[r, 0] * x + M[r, 1] * y + M[r, 2]) / d for r in (0, 1))
+        qx, qy = ((M[row, 0] * x + M[row, 1] * y + M[row, 2]) / d for row in (0, 1))
         # a polygon's box: the extent of its points inside the output; a box's: its corners, clipped
         ins = (qx >= 0) & (qx <= W) & (qy >= 0) & (qy <= H) if seg else np.ones_like(qx, bool)
         lo = [np.where(ins, q, np.inf).min(1) for q in (qx, qy)]
