@@ -316,7 +316,6 @@ def build_dataloader(
         sampler = EpochSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed)
         return DataLoader(dataset, batch_size=batch_size, sampler=sampler, **kw), sampler
     if dataset.rect and batch_size != dataset.batch_size:
-        built = dataset.batch_size
-        raise ValueError(f"rect dataset built for batch {built}, loader asked for {batch_size}")
+        raise ValueError(f"rect dataset built for batch {dataset.batch_size}, not {batch_size}")
     sampler = shard_batches(len(dataset), batch_size, rank, world_size)
     return DataLoader(dataset, batch_sampler=sampler, **kw), sampler

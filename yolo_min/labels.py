@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from .ops import box_corners, xywh2xyxy
+from .ops import box_corners, xywh2xyxy, xyxy2xywh
 
 IMG_FORMATS = ("bmp", "jpeg", "jpg", "png", "tif", "tiff", "webp")
 CACHE_VERSION = "yolo_min-labels-3"
@@ -27,10 +27,8 @@ OPEN_ERRORS = {
 }
 # PIL's formats for an extension; others: the extension, upper case
 PIL_FORMATS = {"jpg": "JPEG MPO", "jpeg": "JPEG MPO", "tif": "TIFF"}
-SUMMARY = (
-    "{images} images: {found} labelled, {missing} missing labels, {empty} empty, {corrupt} "
-    "corrupt; {instances} instances; label rows: {dropped} dropped, {fixed} fixed"
-)
+SUMMARY = "{images} images: {found} labelled, {missing} missing labels, {empty} empty, "
+SUMMARY += "{corrupt} corrupt; {instances} instances; label rows: {dropped} dropped, {fixed} fixed"
 
 
 class DataError(ValueError):
@@ -111,15 +109,14 @@ def parse_labels(text: str, where: str, nc: int | None = None) -> tuple[list, li
                 fixed += 1
                 msgs.append(f"{where}:{ln}: coordinates slightly outside [0, 1] clipped")
             pts = np.clip(pts, 0, 1)
-            (x0, y0), (x1, y1) = pts.min(0), pts.max(0)
-            if not why and (x1 - x0 <= 0 or y1 - y0 <= 0):
+            box = xyxy2xywh(np.concatenate([pts.min(0), pts.max(0)]))  # cx, cy, w, h
+            if not why and (box[2] <= 0 or box[3] <= 0):
                 why = "zero width or height after clipping to [0, 1]"
         if why:
             dropped += 1
             msgs.append(f"{where}:{ln}: {why}; row dropped")
             continue
         seen[tuple(v)] = ln
-        box = [(x0 + x1) / 2, (y0 + y1) / 2, x1 - x0, y1 - y0]
         rows.append((int(v[0]), box, pts if n > 5 else np.zeros((0, 2))))
     if len({len(p) > 0 for _, _, p in rows}) == 2:
         msgs.append(f"{where}: mixes box rows and polygon rows; boxes are used as rectangles")
