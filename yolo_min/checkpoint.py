@@ -344,8 +344,7 @@ def _record_state_dict(root: _Record) -> dict[str, torch.Tensor]:
             continue
         seen.add(id(rec))
         skip = rec.get("_non_persistent_buffers_set", set())
-        for k, v in {**rec.get("_parameters", {}), **rec.get("_buffers", {})}.items():
-            if v is not None and k not in skip:
-                state[prefix + k] = v.detach()
+        own = {**rec.get("_parameters", {}), **rec.get("_buffers", {})}  # None: an absent bias, ...
+        state |= {prefix + k: v.detach() for k, v in own.items() if v is not None and k not in skip}
         todo += [(f"{prefix}{k}.", child) for k, child in rec.get("_modules", {}).items()]
     return state
