@@ -7,14 +7,13 @@ import contextlib
 import datetime
 import os
 import socket
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
 
-@dataclass(frozen=True)
-class DistInfo:
+class DistInfo(NamedTuple):
     """This process: rank (0: the main one), world size, local world size (on its node), device."""
 
     rank: int
@@ -36,8 +35,7 @@ def select_device(device: str = "") -> torch.device:
 
 
 def setup(device: str = "") -> DistInfo:
-    """This process's DistInfo from torchrun's environment (none: one process); under torchrun
-    the process group too (nccl on CUDA, gloo on CPU)."""
+    """This process's DistInfo from torchrun's environment (none: one process) and process group."""
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
