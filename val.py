@@ -68,9 +68,7 @@ def score_image(dataset, index: int, det, shape, input_hw, protos=None, cat_ids=
 
 
 @torch.no_grad()
-def evaluate(
-    model, loader, nms=VAL_NMS, plots_dir=None, save_json=None, coco_ids=False, amp=None
-) -> dict:
+def evaluate(model, loader, nms=VAL_NMS, plots_dir=None, save_json=None, coco_ids=False, amp=None):
     """metrics.summarize(_classes) of all ranks (call it on each) and "speed" (ms by STAGES); rank 0
     draws 3 batches in plots_dir, writes COCO results to save_json (ids cls + 1, or COCO-91)."""
     model = de_parallel(model)
