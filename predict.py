@@ -12,7 +12,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 import torchvision.transforms.v2.functional as TF
 from PIL import Image, ImageDraw, ImageOps
 from torch.utils.data import DataLoader
@@ -48,9 +47,9 @@ def letterbox(image: torch.Tensor, imgsz: int, stride: int) -> tuple[torch.Tenso
     h, w = round(h0 * r), round(w0 * r)
     H, W = make_divisible(h, stride), make_divisible(w, stride)  # the canvas, as yolov5's
     if (h, w) != (h0, w0):  # as OpenCV's INTER_LINEAR: bilinear, no antialiasing
-        x = F.interpolate(x[None], size=(h, w), mode="bilinear", antialias=False)[0]
+        x = TF.resize(x, [h, w], antialias=False)  # its default: bilinear
     top, left = round((H - h) / 2 - 0.1), round((W - w) / 2 - 0.1)
-    canvas = F.pad(x, (left, W - w - left, top, H - h - top), value=114)
+    canvas = TF.pad(x, [left, top, W - w - left, H - h - top], fill=114)
     return canvas, ((r, r), ((W - w0 * r) / 2, (H - h0 * r) / 2))  # as yolov5's scale_boxes
 
 
@@ -130,8 +129,7 @@ def predict(model, images: list, **options) -> list[dict]:
 
 def top5(result: dict) -> list[tuple[int, float]]:
     """A classifier's 5 likeliest (class, probability), likeliest first."""
-    probs = result["probs"]
-    return [(int(c), float(probs[c])) for c in probs.argsort(descending=True)[:5]]
+    return [(int(c), float(p)) for p, c in zip(*result["probs"].sort(descending=True))][:5]
 
 
 def draw(result: dict, line_width=None, labels=True, conf=True) -> Image.Image:
