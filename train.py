@@ -196,8 +196,8 @@ def optimizer_step(model, optimizer, scaler, ema: ModelEMA | None) -> None:
 
 
 def train_one_epoch(model, criterion, optimizer, scaler, ema, loader, epoch, args, hyp, save_dir):
-    """One epoch: detection's warmup and accumulation to NOMINAL_BATCH images, no all-reduce until
-    the step, a stop on a non-finite loss (every rank at once). Returns (mean loss items, img/s)."""
+    """One epoch (detection: warmup, NOMINAL_BATCH images a step) -> (mean loss items, img/s)."""
+    # a non-finite loss raises FloatingPointError on every rank at once; no all-reduce until a step
     model.train()
     device, n, detect = next(model.parameters()).device, len(loader), "warmup_epochs" in hyp
     amp = amp_dtype(device, args.amp)
@@ -374,8 +374,7 @@ def autoanchor(model: Model, train_set, thr: float, args) -> None:
     pixels = (model.head.anchors * stride).view(-1, 2).cpu().numpy()
     new = dist.run_on_main(check_anchors, train_set.labels, pixels, thr, args.imgsz, args.seed)
     if new is not None:
-        new = torch.from_numpy(new).to(stride).view_as(model.head.anchors)
-        model.head.anchors[:] = new / stride
+        model.head.anchors[:] = torch.as_tensor(new).to(stride).view_as(model.head.anchors) / stride
 
 
 def log_epoch(save_dir: Path, epoch, args, losses: dict, metrics, optimizer, img_s, task) -> None:
