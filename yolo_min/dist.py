@@ -108,18 +108,17 @@ def reduce_mean(t: torch.Tensor) -> torch.Tensor:
 def run_on_main(fn, *args):
     """fn(*args) on rank 0, its result on every rank; a ValueError there is raised on every rank."""
     # so that no rank is left waiting in a collective for one that gave up
-    box = [(None, None)]
+    box = [None]  # rank 0's result, or the ValueError it raised
     if is_main():
         try:
-            box = [(fn(*args), None)]
+            box = [fn(*args)]
         except ValueError as e:
-            box = [(None, e)]
+            box = [e]
     if _active():
         dist.broadcast_object_list(box, src=0)
-    result, error = box[0]
-    if error is not None:
-        raise error
-    return result
+    if isinstance(box[0], ValueError):
+        raise box[0]
+    return box[0]
 
 
 @contextlib.contextmanager
