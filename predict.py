@@ -17,11 +17,10 @@ from PIL import Image, ImageDraw, ImageOps
 from torch.utils.data import DataLoader
 
 from val import STAGES, base_parser, cli, infer, parse_kwargs, speed_line
-from yolo_min import dist, ops
+from yolo_min import dist, ops, plots
 from yolo_min.checkpoint import load_model, next_run_dir
 from yolo_min.labels import IMG_FORMATS, DataError
 from yolo_min.models import amp_dtype, make_divisible
-from yolo_min.plots import draw_detections
 
 PREDICT_NMS = dict(conf_thres=0.25, iou_thres=0.45, max_det=1000)  # yolov5's detect.py
 
@@ -143,7 +142,7 @@ def draw(result: dict, line_width=None, labels=True, conf=True) -> Image.Image:
     width = line_width or max(round(sum(image.shape[1:]) / 2 * 0.003), 2)
     cls, scores = boxes[:, 5].long().tolist(), boxes[:, 4].tolist() if conf else None
     masks, names = result["masks"], result["names"]
-    image = draw_detections(image, boxes[:, :4], cls, scores, names, masks, width, labels)
+    image = plots.draw_detections(image, boxes[:, :4], cls, scores, names, masks, width, labels)
     return Image.fromarray(image.permute(1, 2, 0).numpy())
 
 

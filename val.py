@@ -15,10 +15,9 @@ import torch
 import torch.nn.functional as F
 import torchvision.transforms.v2.functional as TF
 
-from yolo_min import datasets, dist, metrics, ops
+from yolo_min import datasets, dist, metrics, ops, plots
 from yolo_min.checkpoint import load_model, next_run_dir
 from yolo_min.models import amp_dtype, de_parallel, make_divisible
-from yolo_min.plots import draw_batch
 
 # the official COCO category ids of the 80 YOLO classes (COCO numbers 91, 11 of them unused)
 COCO91_IDS = [i for i in range(1, 91) if i not in (12, 26, 29, 30, 45, 66, 68, 69, 71, 83)]
@@ -131,12 +130,12 @@ def speed_line(speed: dict, at: str) -> str:
 def plot_batch(batch: dict, dets: list, protos, prefix: Path, names: list) -> None:
     """A batch's labels and predictions (conf >= 0.25): prefix_labels.jpg, prefix_pred.jpg."""
     images, kw = batch["images"], dict(names=names)
-    draw_batch(images, batch["targets"], batch["masks"], fname=f"{prefix}_labels.jpg", **kw)
+    plots.draw_batch(images, batch["targets"], batch["masks"], fname=f"{prefix}_labels.jpg", **kw)
     preds = [d[d[:, 4] >= 0.25] for d in dets]
     if protos[0] is not None:
         hw = images.shape[2:]
         kw["masks"] = [ops.process_mask(q, p[:, 6:], p[:, :4], hw) for q, p in zip(protos, preds)]
-    draw_batch(images, preds=preds, fname=f"{prefix}_pred.jpg", **kw)
+    plots.draw_batch(images, preds=preds, fname=f"{prefix}_pred.jpg", **kw)
 
 
 def format_table(res: dict, names: list[str], verbose: bool = False) -> str:
