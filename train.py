@@ -374,7 +374,8 @@ def autoanchor(model: Model, train_set, thr: float, args) -> None:
     pixels = (model.head.anchors * stride).view(-1, 2).cpu().numpy()
     new = dist.run_on_main(check_anchors, train_set.labels, pixels, thr, args.imgsz, args.seed)
     if new is not None:
-        model.head.anchors[:] = torch.as_tensor(new).to(stride).view_as(model.head.anchors) / stride
+        new = torch.from_numpy(new).to(stride).view_as(model.head.anchors)
+        model.head.anchors[:] = new / stride  # pixels -> grid units
 
 
 def log_epoch(save_dir: Path, epoch, args, losses: dict, metrics, optimizer, img_s, task) -> None:
