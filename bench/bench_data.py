@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from train import load_hyp  # noqa: E402
 from yolo_min.datasets import YOLODataset, collate, load_data_config  # noqa: E402
+from yolo_min.trainer import load_hyp  # noqa: E402
 
 REFERENCE = {
     ("train", "detect", 320): 87,

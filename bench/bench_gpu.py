@@ -37,9 +37,7 @@ def data_yaml(task: str, folder: Path) -> Path:
 
 
 def one_task(task: str, device: torch.device, epochs: int, tmp: Path, imgsz=640) -> dict:
-    import predict
-    import train
-    import val
+    from yolo_min import predictor, trainer, validator
 
     data, cfg = data_yaml(task, tmp), "yolov5n-seg.yaml" if task == "seg" else "yolov5n.yaml"
     row = {"task": task}
@@ -56,7 +54,7 @@ def one_task(task: str, device: torch.device, epochs: int, tmp: Path, imgsz=640)
     args += ["--device", str(device), "--project", str(tmp / "train"), "--name", task]
     args += ["--log-every", "4"]
     t0 = time.perf_counter()
-    out = train.main(train.get_args_parser().parse_args(args))
+    out = trainer.main(trainer.get_args_parser().parse_args(args))
     row["train_s"] = time.perf_counter() - t0
     row["loop"] = max(out["img_s"])  # epoch 1 includes cuDNN's and the allocator's warm-up
     row["loop_per_epoch"] = out["img_s"]
@@ -66,13 +64,13 @@ def one_task(task: str, device: torch.device, epochs: int, tmp: Path, imgsz=640)
     weights = Path(out["save_dir"]) / "weights" / "best.pt"
     kw = dict(weights=str(weights), imgsz=imgsz, device=str(device), exist_ok=True)
     t0 = time.perf_counter()
-    res = val.run(data=str(data), project=str(tmp / "val"), name=task, **kw)
+    res = validator.run(data=str(data), project=str(tmp / "val"), name=task, **kw)
     row["val_s"], row["val_speed"] = time.perf_counter() - t0, res["speed"]
     row["val_metrics"] = res["metrics"]
     images = DATA / f"coco128{'-seg' if task == 'seg' else ''}" / "images" / "train2017"
     for batch in (1, 16):
         t0 = time.perf_counter()
-        res = predict.run(source=str(images), project=str(tmp / "predict"), name=f"{task}{batch}",
+        res = predictor.run(source=str(images), project=str(tmp / "predict"), name=f"{task}{batch}",
                           batch_size=batch, workers=4, **kw)  # fmt: skip
         row[f"predict_b{batch}_s"] = time.perf_counter() - t0
         row[f"predict_b{batch}_speed"] = res.get("speed")

@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from train import load_hyp  # noqa: E402
 from yolo_min.losses import YOLOLoss, scale_hyp  # noqa: E402
 from yolo_min.models import Model, amp_dtype  # noqa: E402
+from yolo_min.trainer import load_hyp  # noqa: E402
 
 
 def synthetic_batch(bs: int, imgsz: int, per_image: int, nc: int, g: torch.Generator):

@@ -29,8 +29,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import predict  # noqa: E402
-from yolo_min.checkpoint import load_model  # noqa: E402
+from yolo_min import predictor  # noqa: E402
+from yolo_min.safe_load import load_model  # noqa: E402
 
 SHARED = ROOT.parent / "shared"
 YOLOV5_WALL_640, YOLOV5_INFER_640 = 11.1, 40.9  # s for the 128 images, ms per image
@@ -83,7 +83,7 @@ def main():
     ap.add_argument("--amp", choices=["auto", "on", "off"], default="auto", help="predict.py's")
     args = ap.parse_args()
     model = load_model(args.weights).fuse()
-    files = predict.find_images(args.source)
+    files = predictor.find_images(args.source)
     threads = f"{torch.get_num_threads()} threads, --amp {args.amp}"
     print(f"torch {torch.__version__}, {threads}, {len(files)} images")
     head = (
@@ -92,7 +92,7 @@ def main():
     print(f"{head} {'model-only img/s (cpu ms/img)':>30} {'vs detect.py wall':>18}")
     for imgsz in args.sizes:
         inputs = {}
-        for s in map(partial(predict.read, imgsz=imgsz, stride=32), enumerate(files)):
+        for s in map(partial(predictor.read, imgsz=imgsz, stride=32), enumerate(files)):
             inputs.setdefault(tuple(s["input"].shape), []).append(s["input"])
         for batch, workers in ((1, 0), (args.batch, args.workers)):
             runs = []

@@ -80,25 +80,25 @@ def cls_folder(folder: Path, imgsz: int) -> Path:
 
 def step_setup(task: str, imgsz: int, data: Path, n_batches: int, batch=16, device="cpu"):
     """(model on device, criterion, optimizer, batches): what model_only steps through."""
-    import train
+    from yolo_min import trainer
     from yolo_min.datasets import ClassifyDataset, YOLODataset, build_dataloader, load_data_config
     from yolo_min.losses import ClassifyLoss, YOLOLoss, scale_hyp
     from yolo_min.models import Model
 
     torch.manual_seed(0)
     if task == "cls":  # classify/train.py's recipe: Adam, label smoothing, batch 64
-        hyp = train.load_hyp("", "classify")
+        hyp = trainer.load_hyp("", "classify")
         model = Model("yolov5n-cls.yaml", nc=3).to(device).train()
         crit = ClassifyLoss(label_smoothing=hyp["label_smoothing"])
-        opt = train.build_optimizer(model, hyp["lr0"], hyp["momentum"], 5e-5, "Adam")
+        opt = trainer.build_optimizer(model, hyp["lr0"], hyp["momentum"], 5e-5, "Adam")
         ds = ClassifyDataset(Path(data) / "train", imgsz, augment=True, verbose=False)
         batches = [b for _, b in zip(range(n_batches), build_dataloader(ds, 64, 0)[0])]
         return model, crit, opt, batches
-    hyp = train.load_hyp("")
+    hyp = trainer.load_hyp("")
     cfg = "yolov5n-seg.yaml" if task == "seg" else "yolov5n.yaml"
     model = Model(cfg, nc=80).to(device).train()  # on device first: the loss keeps its tensors
     crit = YOLOLoss(model, scale_hyp(hyp, 80, imgsz))
-    opt = train.build_optimizer(model, 0.01, 0.937, 5e-4)
+    opt = trainer.build_optimizer(model, 0.01, 0.937, 5e-4)
     kw = dict(augment=True, hyp=hyp, batch_size=batch, nc=80, verbose=False)
     kw |= dict(task="segment" if task == "seg" else "detect")
     ds = YOLODataset(load_data_config(str(data))["train"], imgsz, **kw)
@@ -110,7 +110,7 @@ def model_only(setup, iters: int, amp="off", channels_last=False, device="cpu") 
     """img/s of forward + loss + backward + step on pre-made batches (one warm-up step first), the
     forward under train.py's autocast for --amp `amp` on device (CUDA: fp16 with a GradScaler),
     the model in channels_last or not."""
-    import train
+    from yolo_min import trainer
     from yolo_min.models import amp_dtype
 
     model, crit, opt, batches = setup
@@ -123,9 +123,9 @@ def model_only(setup, iters: int, amp="off", channels_last=False, device="cpu") 
         if k == 1:
             sync()
             t0 = time.perf_counter()
-        loss, _ = train.forward_loss(model, crit, batches[k % len(batches)], device, dtype)
+        loss, _ = trainer.forward_loss(model, crit, batches[k % len(batches)], device, dtype)
         scaler.scale(loss).backward()
-        train.optimizer_step(model, opt, scaler, None)
+        trainer.optimizer_step(model, opt, scaler, None)
     sync()
     return iters * len(batches[0]["images"]) / (time.perf_counter() - t0)
 
@@ -145,7 +145,7 @@ def peak_rss_gb(reset: bool = False) -> float:
 def one_case(task: str, imgsz: int, iters: int, amp: str = "off", rounds: int = 2) -> dict:
     """Model-only and the full loop (2 epochs) alternate, model-only first and last: {"case",
     "amp", "loop", "model_only" (mean img/s of each), "rss_gb" (the loops' peak RSS)}."""
-    import train
+    from yolo_min import trainer
     from yolo_min.models import amp_dtype
 
     loops, models, rss = [], [], 0.0
@@ -163,7 +163,7 @@ def one_case(task: str, imgsz: int, iters: int, amp: str = "off", rounds: int = 
             args = ["--cfg", cfg, "--data", str(data), "--imgsz", str(imgsz), "--amp", amp]
             args += ["--batch-size", batch, "--workers", "2", "--epochs", "2", "--noval"]
             args += ["--noautoanchor", "--log-every", "100", "--project", tmp]
-            loops += train.main(train.get_args_parser().parse_args(args))["img_s"]
+            loops += trainer.main(trainer.get_args_parser().parse_args(args))["img_s"]
             rss = max(rss, peak_rss_gb())
     loop, model = statistics.mean(loops), statistics.mean(models)
     return {"case": f"{task}{imgsz}", "amp": amp, "loop": loop, "model_only": model, "rss_gb": rss}

@@ -19,7 +19,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import val  # noqa: E402
+from yolo_min import validator  # noqa: E402
 from yolo_min.datasets import YOLODataset, build_dataloader, load_data_config  # noqa: E402
 from yolo_min.dist import select_device  # noqa: E402
 from yolo_min.models import Model, amp_dtype  # noqa: E402
@@ -66,16 +66,16 @@ def val_rates(
             ds = YOLODataset(data["val"], imgsz=imgsz, **kw)
             ds.im_files, ds.labels = ds.im_files[:images], ds.labels[:images]
             loader, _ = build_dataloader(ds, batch_size, workers, shuffle=False)
-            nms = val.VAL_NMS | dict(conf_thres=conf_thres)
+            nms = validator.VAL_NMS | dict(conf_thres=conf_thres)
             for layout in layouts:
                 amp, channels_last = LAYOUTS[layout]
                 dtype = amp_dtype(dev, amp)
                 model.to(
                     memory_format=torch.channels_last if channels_last else torch.contiguous_format
                 )
-                val.evaluate(model, FirstBatch(loader), nms, amp=dtype)  # warm-up
+                validator.evaluate(model, FirstBatch(loader), nms, amp=dtype)  # warm-up
                 t = time.perf_counter()
-                res = val.evaluate(model, loader, nms, amp=dtype)
+                res = validator.evaluate(model, loader, nms, amp=dtype)
                 dt = time.perf_counter() - t
                 row = dict(task=task, imgsz=imgsz, layout=layout, img_s=res["images"] / dt)
                 rows.append(row | dict(seconds=dt, images=res["images"], speed=res["speed"]))

@@ -18,8 +18,7 @@ import torch
 import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import train  # noqa: E402
-from yolo_min import dist  # noqa: E402
+from yolo_min import dist, trainer
 from yolo_min.models import Model  # noqa: E402
 
 
@@ -90,9 +89,9 @@ def joined(a: dict, b: dict) -> dict:
 
 def one_epoch(model, loader, info, args, hyp) -> nn.Module:
     """train.py's wiring and train_one_epoch, at an epoch after the warmup (200 of 300)."""
-    model, criterion, optimizer, scaler, ema = train.build_training(model, hyp, args, info)
+    model, criterion, optimizer, scaler, ema = trainer.build_training(model, hyp, args, info)
     step = (model, criterion, optimizer, scaler, ema, loader, 200, args, hyp, Path("."))
-    train.train_one_epoch(*step)
+    trainer.train_one_epoch(*step)
     return model.module if info.world_size > 1 else model
 
 
@@ -103,11 +102,11 @@ def main():
         cfg = "yolov5n-seg.yaml" if segment else "yolov5n-cls.yaml" if classify else "yolov5n.yaml"
         torch.manual_seed(0)
         model = frozen_bn(Model(cfg, nc=3))
-        hyp = train.load_hyp("", model.task)
+        hyp = trainer.load_hyp("", model.task)
         amp = ["--amp", "on" if "--amp-on" in sys.argv else "off"]
-        args = train.get_args_parser().parse_args(["--imgsz", "64", "--epochs", "300", *amp])
+        args = trainer.get_args_parser().parse_args(["--imgsz", "64", "--epochs", "300", *amp])
         args.batch_size = 8  # the global batch, 2 x 4 or 1 x 8
-        train.check_args(args, model.task, 1)
+        trainer.check_args(args, model.task, 1)
         batch = classify_batch if classify else lambda seed: make_batch(seed, segment)
         halves = [batch(seed) for seed in (1, 2)]  # rank 0's micro-batches
         halves = [halves, [mirrored(b) for b in halves]]  # rank 1's

@@ -12,6 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import train  # noqa: E402
+from yolo_min import trainer  # noqa: E402
 
 FAULTS = {}
 for kind in ("KILL", "FAIL", "NAN"):
@@ -20,7 +21,7 @@ for kind in ("KILL", "FAIL", "NAN"):
 if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
     FAULTS.pop("KILL", None)  # the restarted run goes through
 AT = {"epoch": 0, "iteration": 0}
-train_one_epoch, forward_loss = train.train_one_epoch, train.forward_loss
+train_one_epoch, forward_loss = trainer.train_one_epoch, trainer.forward_loss
 
 
 def faulty_epoch(model, criterion, optimizer, scaler, ema, loader, epoch, *args):
@@ -41,5 +42,5 @@ def faulty_forward(*args):
     return loss, items
 
 
-train.train_one_epoch, train.forward_loss = faulty_epoch, faulty_forward
-train.cli()
+trainer.train_one_epoch, trainer.forward_loss = faulty_epoch, faulty_forward
+train.main()

@@ -11,11 +11,11 @@ import torch
 from PIL import Image
 
 from yolo_min import shapes
-from yolo_min.checkpoint import load_model
 from yolo_min.datasets import ClassifyDataset, build_dataloader, load_data_config
 from yolo_min.labels import DataError
 from yolo_min.metrics import class_records, merge_records, metric_names, summarize_classes
 from yolo_min.models import Classify, Model
+from yolo_min.safe_load import load_model
 
 ATOL = 1e-4
 
@@ -61,7 +61,7 @@ def test_yolov5_classifier_import(fixtures_dir):
 
 
 def test_cfg_derived_for_every_size():
-    from yolo_min.checkpoint import _classifier_cfg
+    from yolo_min.safe_load import _classifier_cfg
 
     for size in "mx":  # depth 2/3 and 4/3, width 0.75 and 1.25
         state = Model(f"yolov5{size}-cls.yaml", nc=7).state_dict()
@@ -231,30 +231,30 @@ def test_classifier_learns_and_resumes_exactly(tmp_path, monkeypatch):
     """train.py on a small shapes-cls folder: top-1 well above chance (1/3) in 10 epochs, the
     training loss falls; a run stopped as epoch 2 starts and resumed ends with the checkpoint of
     an uninterrupted one."""
-    import train
+    from yolo_min import trainer
 
     shapes.generate_cls(tmp_path / "data", n_train=90, n_val=30)
     common = dict(cfg="yolov5n-cls.yaml", data=str(tmp_path / "data"), imgsz=32, batch_size=8)
     common |= dict(workers=0, log_every=100)
-    out = train.run(**common, epochs=10, project=str(tmp_path / "learn"))
+    out = trainer.run(**common, epochs=10, project=str(tmp_path / "learn"))
     with open(Path(out["save_dir"]) / "results.csv") as f:
         losses = [float(r["train/cls_loss"]) for r in csv.DictReader(f)]
     assert out["best_fitness"] >= 0.6 and losses[-1] < 0.8 * losses[0], (out["metrics"], losses)
 
-    whole = Path(train.run(**common, epochs=3, project=str(tmp_path / "a"))["save_dir"])
-    real = train.train_one_epoch
+    whole = Path(trainer.run(**common, epochs=3, project=str(tmp_path / "a"))["save_dir"])
+    real = trainer.train_one_epoch
 
     def stop_in_epoch_2(model, criterion, optimizer, scaler, ema, loader, epoch, *args):
         if epoch == 1:
             raise KeyboardInterrupt
         return real(model, criterion, optimizer, scaler, ema, loader, epoch, *args)
 
-    monkeypatch.setattr(train, "train_one_epoch", stop_in_epoch_2)
+    monkeypatch.setattr(trainer, "train_one_epoch", stop_in_epoch_2)
     with pytest.raises(KeyboardInterrupt):
-        train.run(**common, epochs=3, project=str(tmp_path / "b"))
-    monkeypatch.setattr(train, "train_one_epoch", real)
+        trainer.run(**common, epochs=3, project=str(tmp_path / "b"))
+    monkeypatch.setattr(trainer, "train_one_epoch", real)
     resumed = Path(
-        train.run(resume=str(tmp_path / "b" / "exp" / "weights" / "last.pt"))["save_dir"]
+        trainer.run(resume=str(tmp_path / "b" / "exp" / "weights" / "last.pt"))["save_dir"]
     )
     a, b = (torch.load(r / "weights" / "last.pt", weights_only=True) for r in (whole, resumed))
     assert a["epoch"] == b["epoch"] == 2 and a["task"] == "classify"

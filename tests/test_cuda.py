@@ -14,10 +14,7 @@ import torch.nn as nn
 from test_predict import agreement
 from test_train import read_csv
 
-import predict
-import train
-import val
-from yolo_min import checkpoint, dist
+from yolo_min import checkpoint, dist, predictor, trainer, validator
 from yolo_min.datasets import YOLODataset, build_dataloader, load_data_config
 from yolo_min.models import Model, amp_dtype
 
@@ -38,10 +35,10 @@ def fixed_batch(data_dir: Path, task: str) -> dict:
 
 def training_objects(model: Model, amp: str, device: torch.device) -> tuple:
     """train.py's (model, criterion, optimizer, scaler) for one process on device."""
-    args = train.get_args_parser().parse_args(["--amp", amp, "--imgsz", "128"])
-    train.check_args(args, model.task, 1)
+    args = trainer.get_args_parser().parse_args(["--amp", amp, "--imgsz", "128"])
+    trainer.check_args(args, model.task, 1)
     info = dist.DistInfo(0, 1, 1, device)
-    return train.build_training(model.to(device), train.load_hyp(""), args, info)[:4]
+    return trainer.build_training(model.to(device), trainer.load_hyp(""), args, info)[:4]
 
 
 def flat_grads(model: nn.Module) -> torch.Tensor:
@@ -65,12 +62,12 @@ def test_fp16_step_agrees_with_float32(data_dir, task):
         layout = torch.channels_last if dtype else torch.contiguous_format
         assert net.model[0].conv.weight.is_contiguous(memory_format=layout)
         for _ in range(5):
-            loss, items = train.forward_loss(net, criterion, batch, device, dtype)
+            loss, items = trainer.forward_loss(net, criterion, batch, device, dtype)
             scale = scaler.get_scale() if scaler.is_enabled() else 1.0
             scaler.scale(loss).backward()
             grads = flat_grads(net) / scale
             before = [p.detach().clone() for p in net.parameters()]
-            train.optimizer_step(net, optimizer, scaler, None)
+            trainer.optimizer_step(net, optimizer, scaler, None)
             moved = any(not torch.equal(a, p) for a, p in zip(before, net.parameters()))
             if grads.isfinite().all():
                 break
@@ -98,8 +95,8 @@ def test_amp_run_resumes_as_it_would_have_continued(tmp_path, tiny, monkeypatch)
     saved in it is what set_rng_state restores."""
     monkeypatch.setattr(torch.backends.cudnn, "deterministic", True)
     common = [*tiny, "--epochs", "3", "--device", "0", "--amp", "auto"]
-    parse = train.get_args_parser().parse_args
-    whole = Path(train.main(parse([*common, "--project", str(tmp_path / "a")]))["save_dir"])
+    parse = trainer.get_args_parser().parse_args
+    whole = Path(trainer.main(parse([*common, "--project", str(tmp_path / "a")]))["save_dir"])
     save = checkpoint.save
 
     def save_then_stop(state, path):
@@ -109,11 +106,11 @@ def test_amp_run_resumes_as_it_would_have_continued(tmp_path, tiny, monkeypatch)
 
     monkeypatch.setattr(checkpoint, "save", save_then_stop)
     with pytest.raises(KeyboardInterrupt):
-        train.main(parse([*common, "--project", str(tmp_path / "b")]))
+        trainer.main(parse([*common, "--project", str(tmp_path / "b")]))
     last = tmp_path / "b" / "exp" / "weights" / "last.pt"
     first = torch.load(last, weights_only=True)
     monkeypatch.setattr(checkpoint, "save", save)
-    resumed = Path(train.main(parse(["--resume", str(last)]))["save_dir"])
+    resumed = Path(trainer.main(parse(["--resume", str(last)]))["save_dir"])
 
     saved = first["rng"]["ranks"][0]["cuda"]
     assert len(saved) == torch.cuda.device_count() and first["scaler"]["scale"] > 0
@@ -175,8 +172,8 @@ def test_val_on_the_gpu_agrees_with_the_cpu(fixtures_dir, tmp_path):
     for weights in ("det.pt", "seg.pt"):
         kw = dict(weights=str(fixtures_dir / "predict" / weights), data="shapes", imgsz=128)
         kw |= dict(workers=0, project=str(tmp_path), exist_ok=True)
-        cpu = val.run(**kw, device="cpu", amp="off", name="cpu")["metrics"]
-        gpu = val.run(**kw, device="0", amp="auto", name="gpu")["metrics"]
+        cpu = validator.run(**kw, device="cpu", amp="off", name="cpu")["metrics"]
+        gpu = validator.run(**kw, device="0", amp="auto", name="gpu")["metrics"]
         print(f"\n{weights}: cpu {cpu}\n  gpu {gpu}")
         assert cpu["mAP50(B)"] > 0.85
         for k in [k for k in cpu if k.startswith("mAP")]:
@@ -192,7 +189,7 @@ def test_predict_on_the_gpu_agrees_with_yolov5(fixtures_dir, tmp_path, task):
     opts = dict(weights=str(fx / weights), source=str(fx / "images"), imgsz=160, conf_thres=0.25)
     opts |= dict(iou_thres=0.45, save_txt=True, save_conf=True, nosave=True, exist_ok=True)
     out = {
-        d: Path(predict.run(device=d, project=str(tmp_path), name=d, **opts)["save_dir"])
+        d: Path(predictor.run(device=d, project=str(tmp_path), name=d, **opts)["save_dir"])
         for d in ("cpu", "0")
     }
     for reference in (fx / ref, out["cpu"] / "labels"):
@@ -229,11 +226,11 @@ def test_sync_batchnorm_in_a_one_rank_group(tmp_path, data_dir):
             g["lr"] = 0.1  # measured on the CPU: the loss falls 12% in 10 steps
         losses = []
         for _ in range(10):
-            loss, _ = train.forward_loss(ddp, criterion, batch, GPU, None)
+            loss, _ = trainer.forward_loss(ddp, criterion, batch, GPU, None)
             scaler.scale(loss).backward()
-            train.optimizer_step(ddp, optimizer, scaler, None)
+            trainer.optimizer_step(ddp, optimizer, scaler, None)
             losses.append(loss.item())
-        first, _ = train.forward_loss(plain.to(GPU).train(), criterion, batch, GPU, None)
+        first, _ = trainer.forward_loss(plain.to(GPU).train(), criterion, batch, GPU, None)
     finally:
         torch_dist.destroy_process_group()
     print(f"\nSyncBatchNorm losses {[round(x, 4) for x in losses]}")

@@ -14,11 +14,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import train  # noqa: E402
-from val import evaluate  # noqa: E402
-from yolo_min import dist  # noqa: E402
-from yolo_min.checkpoint import load_model  # noqa: E402
+from yolo_min import dist, trainer  # noqa: E402
 from yolo_min.datasets import YOLODataset, build_dataloader, load_data_config  # noqa: E402
+from yolo_min.safe_load import load_model  # noqa: E402
+from yolo_min.validator import evaluate  # noqa: E402
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 TWO_NODE_PORT = "29517"  # fixed: the two launchers must agree on it
@@ -44,7 +43,7 @@ def shapes_runs(tmp_path_factory, small_shapes):
     test_gathered_validation_equals_one_process compares bits."""
     tmp = tmp_path_factory.mktemp("runs")
     args = ["--data", small_shapes, *ARGS, "--epochs", "2", "--amp", "off"]
-    one = train.main(train.get_args_parser().parse_args([*args, "--project", str(tmp / "one")]))
+    one = trainer.main(trainer.get_args_parser().parse_args([*args, "--project", str(tmp / "one")]))
     r = run(
         [
             *TORCHRUN,
@@ -135,8 +134,8 @@ def test_more_ranks_than_gpus_is_one_line(monkeypatch):
             monkeypatch.setenv(k, str(v))
         with pytest.raises(ValueError, match="torchrun started 2 processes on a node with 1 GPU"):
             dist.setup("")
-        with pytest.raises(train.ConfigError, match="--nproc_per_node 1, or --device cpu"):
-            train.main(train.get_args_parser().parse_args([]))
+        with pytest.raises(trainer.ConfigError, match="--nproc_per_node 1, or --device cpu"):
+            trainer.main(trainer.get_args_parser().parse_args([]))
     assert not torch.distributed.is_initialized()
 
 

@@ -21,10 +21,9 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import train  # noqa: E402
-from yolo_min import anchors, checkpoint, labels  # noqa: E402
-from yolo_min.checkpoint import CheckpointError, load_model  # noqa: E402
+from yolo_min import anchors, checkpoint, labels, safe_load, trainer  # noqa: E402
 from yolo_min.models import CFG_DIR, Model  # noqa: E402
+from yolo_min.safe_load import CheckpointError, load_model  # noqa: E402
 
 TINY_CFG = yaml.safe_load((CFG_DIR / "yolov5n.yaml").read_text()) | {"width_multiple": 0.0625}
 HUGE = 500_000_000  # elements a crafted tensor declares (2 GB as float32)
@@ -75,11 +74,11 @@ def torch_zip(path: Path, pkl: bytes) -> Path:
 def last_pt() -> dict:
     """What a yolo_min run saves after its first epoch (a small model, 3 epochs planned)."""
     model = Model(TINY_CFG, nc=2)
-    opt = train.build_optimizer(model, 0.01, 0.9, 0.0)
-    scaler, ema = torch.amp.GradScaler("cuda", enabled=False), train.ModelEMA(model)
-    args = train.get_args_parser().parse_args(["--epochs", "3"])
-    train.check_args(args, "detect", 1)  # as train.py saves them: the task's defaults filled in
-    hyp, rngs = train.load_hyp(""), [checkpoint.rng_state()]
+    opt = trainer.build_optimizer(model, 0.01, 0.9, 0.0)
+    scaler, ema = torch.amp.GradScaler("cuda", enabled=False), trainer.ModelEMA(model)
+    args = trainer.get_args_parser().parse_args(["--epochs", "3"])
+    trainer.check_args(args, "detect", 1)  # as train.py saves them: the task's defaults filled in
+    hyp, rngs = trainer.load_hyp(""), [checkpoint.rng_state()]
     return checkpoint.training_state(model, ema, opt, scaler, 0, (0.1, 0), args, hyp, rngs)
 
 
@@ -212,7 +211,7 @@ def test_fixtures_pass_the_checks(fixtures_dir, monkeypatch):
         "predict/det.pt",
         "predict/seg.pt",
     ):
-        assert isinstance(checkpoint._read(fixtures_dir / name), dict)
+        assert isinstance(safe_load.read_checked(fixtures_dir / name), dict)
     devices, forward = [], Model.forward
     monkeypatch.setattr(
         Model, "forward", lambda self, x: devices.append(x.device.type) or forward(self, x)
@@ -281,8 +280,8 @@ def test_resume_state_is_checked(tmp_path, last_pt):
         ("hyp.lr0", "x", "--hyp: lr0 is 'x', not a finite number"),
     ]:
         path = training_file(tmp_path / "last.pt", last_pt, **{key: value})
-        with pytest.raises(train.ConfigError, match=words):
-            train.main(train.get_args_parser().parse_args(["--resume", str(path)]))
+        with pytest.raises(trainer.ConfigError, match=words):
+            trainer.main(trainer.get_args_parser().parse_args(["--resume", str(path)]))
 
 
 def test_restore_refuses_what_does_not_fit(tmp_path, last_pt):
@@ -294,8 +293,8 @@ def test_restore_refuses_what_does_not_fit(tmp_path, last_pt):
         ("rng.ranks.0.numpy", "x"),
     ]:
         ckpt = checkpoint.load(training_file(tmp_path / "last.pt", last_pt, **{key: value}))
-        opt = train.build_optimizer(model, 0.01, 0.9, 0.0)
-        scaler, ema = torch.amp.GradScaler("cuda", enabled=False), train.ModelEMA(model)
+        opt = trainer.build_optimizer(model, 0.01, 0.9, 0.0)
+        scaler, ema = torch.amp.GradScaler("cuda", enabled=False), trainer.ModelEMA(model)
         with pytest.raises(CheckpointError, match="cannot restore its training state: "):
             checkpoint.restore(ckpt, model, ema, opt, scaler, 0, 1)
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from yolo_min.checkpoint import CheckpointError, load_model
 from yolo_min.models import CFG_DIR, Model, amp_dtype
+from yolo_min.safe_load import CheckpointError, load_model
 
 ATOL = 1e-4
 

@@ -14,9 +14,8 @@ import pytest
 import torch
 from PIL import Image
 
-import predict
-from yolo_min import ops
-from yolo_min.checkpoint import load_model
+from yolo_min import cli, ops, predictor, trainer, validator
+from yolo_min.safe_load import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
@@ -73,7 +72,7 @@ def agreement(ours: Path, ref: Path, images: Path) -> dict:
 
 def run_predict(tmp_path, name, **kw) -> Path:
     kw = dict(device="cpu", project=str(tmp_path), name=name, exist_ok=True) | kw
-    return Path(predict.run(**kw)["save_dir"])
+    return Path(predictor.run(**kw)["save_dir"])
 
 
 @pytest.mark.parametrize("task", ["detect", "segment"])
@@ -95,18 +94,18 @@ def test_letterbox_as_yolov5():
     """The smallest stride-multiple canvas; the image resized to whole pixels (Python rounding,
     106.5 -> 106), centred as yolov5 splits odd padding, by bilinear interpolation without
     antialiasing (OpenCV's INTER_LINEAR); ratio_pad as yolov5's scale_boxes maps back."""
-    canvas, ratio_pad = predict.letterbox(torch.zeros(426, 640, 3, dtype=torch.uint8), 160, 32)
+    canvas, ratio_pad = predictor.letterbox(torch.zeros(426, 640, 3, dtype=torch.uint8), 160, 32)
     assert canvas.shape == (3, 128, 160) and ratio_pad == ((0.25, 0.25), (0.0, 10.75))
     assert (canvas[:, 11:117] == 0).all() and (canvas[:, :11] == 114).all()
     assert (canvas[:, 117:] == 114).all()
     row = torch.tensor([0, 100, 200, 100], dtype=torch.uint8)[None, :, None].expand(2, 4, 3)
-    up, _ = predict.letterbox(row, 8, 4)  # 2x: source x = (x + 0.5) / 2 - 0.5
+    up, _ = predictor.letterbox(row, 8, 4)  # 2x: source x = (x + 0.5) / 2 - 0.5
     assert up.shape == (3, 4, 8) and up[0, 0].tolist() == [0, 25, 75, 125, 175, 175, 125, 100]
     stripes = torch.tensor([0, 255, 255, 255] * 8, dtype=torch.uint8)[None, :, None]
-    down, _ = predict.letterbox(stripes.expand(32, 32, 3), 8, 4)  # source x = 4 x + 1.5
+    down, _ = predictor.letterbox(stripes.expand(32, 32, 3), 8, 4)  # source x = 4 x + 1.5
     assert (down == 255).all()  # only pixels 4x + 1 and 4x + 2: no antialiasing
     for hw, want in [((80, 128), (128, 160)), ((128, 256), (96, 160)), ((256, 128), (160, 96))]:
-        canvas, _ = predict.letterbox(torch.zeros(*hw, 3, dtype=torch.uint8), 160, 32)
+        canvas, _ = predictor.letterbox(torch.zeros(*hw, 3, dtype=torch.uint8), 160, 32)
         assert canvas.shape[1:] == want, hw
 
 
@@ -120,14 +119,14 @@ def test_sources(tmp_path, monkeypatch):
     (tmp_path / "c.txt").write_text("a.PNG\n\nsub/d.jpg\n")
     (tmp_path / "no [images]" / "e.txt").write_text("")
     monkeypatch.chdir(tmp_path)
-    assert predict.find_images("b.jpg") == ["b.jpg"]
-    assert predict.find_images(".") == ["a.PNG", "b.jpg"]
-    assert predict.find_images("**/*.jpg") == ["b.jpg", "sub/d.jpg"]
-    assert predict.find_images("c.txt") == ["a.PNG", "sub/d.jpg"]
+    assert predictor.find_images("b.jpg") == ["b.jpg"]
+    assert predictor.find_images(".") == ["a.PNG", "b.jpg"]
+    assert predictor.find_images("**/*.jpg") == ["b.jpg", "sub/d.jpg"]
+    assert predictor.find_images("c.txt") == ["a.PNG", "sub/d.jpg"]
     bad = {"nope": "nope: not found", "sub/*.png": "not found", "no [images]": "no images"}
     for source, why in bad.items():
         with pytest.raises(ValueError, match=why):
-            predict.find_images(source)
+            predictor.find_images(source)
 
 
 def test_api_on_paths_pil_and_arrays(fixtures_dir, tmp_path):
@@ -141,7 +140,7 @@ def test_api_on_paths_pil_and_arrays(fixtures_dir, tmp_path):
     exif[0x0112] = 6
     pil.transpose(Image.Transpose.ROTATE_90).save(rotated, exif=exif)
     images = [str(path), pil, np.asarray(pil), pil.crop((0, 0, 128, 80)), rotated]
-    res = predict.predict(model, images, imgsz=160, batch_size=3)
+    res = predictor.predict(model, images, imgsz=160, batch_size=3)
     assert [r["path"] for r in res] == [str(path), None, None, None, str(rotated)]
     a = res[0]
     assert a["names"] == ["circle", "rectangle", "triangle"] and len(a["boxes"]) >= 3
@@ -150,11 +149,11 @@ def test_api_on_paths_pil_and_arrays(fixtures_dir, tmp_path):
         assert torch.equal(r["boxes"], a["boxes"]) and torch.equal(r["masks"], a["masks"])
     assert torch.equal(res[4]["image"], a["image"])
     assert torch.allclose(res[4]["boxes"], a["boxes"], atol=1e-4)  # batch 1, not 3: float rounding
-    one = predict.predict(model, images[:4], imgsz=160)[3]  # alone in its batch
+    one = predictor.predict(model, images[:4], imgsz=160)[3]  # alone in its batch
     assert torch.allclose(one["boxes"], res[3]["boxes"], atol=1e-4)
-    assert predict.draw(a).size == (128, 256)
-    assert predict.draw(res[3], labels=False, line_width=1).size == (128, 80)
-    bad = predict.predict(model, [np.zeros((8, 8), np.uint8)])[0]
+    assert predictor.draw(a).size == (128, 256)
+    assert predictor.draw(res[3], labels=False, line_width=1).size == (128, 80)
+    bad = predictor.predict(model, [np.zeros((8, 8), np.uint8)])[0]
     assert "not uint8 RGB" in bad["error"]
 
 
@@ -222,7 +221,7 @@ def run_cli(*args):
 
 @pytest.mark.parametrize("case", ["no source", "empty folder", "not a checkpoint", "bad class"])
 def test_bad_input_is_one_line_and_exit_2(fixtures_dir, tmp_path, monkeypatch, capsys, case):
-    """What `python predict.py ...` runs (predict.cli), in this process."""
+    """What `python predict.py ...` runs (cli.run_command), in this process."""
     (tmp_path / "empty").mkdir()
     (tmp_path / "notes.pt").write_text("not a checkpoint")
     fx, extra = fixtures_dir / "predict", []
@@ -238,7 +237,7 @@ def test_bad_input_is_one_line_and_exit_2(fixtures_dir, tmp_path, monkeypatch, c
     args = ["--weights", str(weights), "--source", str(source), "--project", str(tmp_path), *extra]
     monkeypatch.setattr(sys, "argv", ["predict.py", *args])
     with pytest.raises(SystemExit) as stop:
-        predict.cli(predict.main, predict.get_args_parser())
+        cli.run_command(predictor.main, predictor.get_args_parser())
     err = capsys.readouterr().err
     assert stop.value.code == 2 and err.startswith("predict.py: error: ") and why in err, err
     assert len(err.strip().splitlines()) == 1 and not (tmp_path / "exp").exists()
@@ -259,14 +258,11 @@ def test_unreadable_images_are_named_skipped_and_counted(fixtures_dir, tmp_path,
 
 
 def test_run_takes_the_options_as_keywords():
-    import train
-    import val
-
-    for entry in (train, val, predict):
+    for entry in (trainer, validator, predictor):
         with pytest.raises(TypeError, match="unknown option.*'conf'"):
             entry.run(weights="w.pt", source="s", conf=0.5)
     with pytest.raises(TypeError, match="missing option.*'source'"):
-        predict.run(weights="w.pt")
+        predictor.run(weights="w.pt")
 
 
 @pytest.mark.slow
@@ -293,14 +289,14 @@ def test_two_ranks_write_what_one_process_writes(fixtures_dir, tmp_path):
 
 @pytest.mark.slow
 def test_train_run_under_torchrun(tmp_path, tiny):
-    """A script calling train.run(...) launched by torchrun trains data-parallel: one run folder,
-    written by rank 0, with a results.csv row; every rank gets the result."""
+    """A script calling yolo_min.trainer.run(...) launched by torchrun trains data-parallel: one run
+    folder, written by rank 0, with a results.csv row; every rank gets the result."""
     script = tmp_path / "script.py"
     kwargs = dict(data=tiny[1], imgsz=64, batch_size=8, workers=0, epochs=1, noautoanchor=True)
     kwargs |= dict(log_every=2, project=str(tmp_path / "runs"))
     script.write_text(
-        f"import os, sys\nsys.path.insert(0, {str(ROOT)!r})\nimport train\n"
-        f"res = train.run(**{kwargs!r})\n"
+        f"import os, sys\nsys.path.insert(0, {str(ROOT)!r})\nfrom yolo_min import trainer\n"
+        f"res = trainer.run(**{kwargs!r})\n"
         "line = f\"RESULT {os.environ['RANK']} {res['epochs']} {res['save_dir']}\\n\"\n"
         "os.write(1, line.encode())  # one write: the ranks share the pipe\n"
     )

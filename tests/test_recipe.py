@@ -29,9 +29,9 @@ sys.path.insert(0, str(ROOT))
 
 from conftest import make_tiny  # noqa: E402
 
-import train  # noqa: E402
-from yolo_min.checkpoint import load_model  # noqa: E402
+from yolo_min import trainer  # noqa: E402
 from yolo_min.models import Model  # noqa: E402
+from yolo_min.safe_load import load_model  # noqa: E402
 
 PY = sys.executable
 ENV = {k: v for k, v in os.environ.items() if not k.startswith("YOLO_MIN_TEST_")}
@@ -48,7 +48,7 @@ def _one_thread():
 
 
 def run_train(*argv) -> dict:
-    return train.main(train.get_args_parser().parse_args([str(a) for a in argv]))
+    return trainer.main(trainer.get_args_parser().parse_args([str(a) for a in argv]))
 
 
 def cli(cmd, timeout: float = 300) -> tuple[int, str, str]:
@@ -98,14 +98,14 @@ def copy_run(run: Path, dest: Path) -> Path:
 def stop_in_epoch_2(monkeypatch) -> None:
     """Make a run stop as epoch 2 starts (as a kill would), once epoch 1's checkpoints are
     written."""
-    real = train.train_one_epoch
+    real = trainer.train_one_epoch
 
     def one_epoch(model, criterion, optimizer, scaler, ema, loader, epoch, *args):
         if epoch == 1:
             raise KeyboardInterrupt("test stop")
         return real(model, criterion, optimizer, scaler, ema, loader, epoch, *args)
 
-    monkeypatch.setattr(train, "train_one_epoch", one_epoch)
+    monkeypatch.setattr(trainer, "train_one_epoch", one_epoch)
 
 
 @pytest.fixture(scope="module")
@@ -204,7 +204,7 @@ def test_autoanchor_writes_grid_units(capsys):
 
     before = (model.head.anchors * stride).view(-1, 2).numpy()
     assert bpr(before, sizes) < 0.5  # the default anchors (10..373 px) miss the thin boxes
-    train.autoanchor(model, Labels(), thr, SimpleNamespace(imgsz=imgsz, seed=0))
+    trainer.autoanchor(model, Labels(), thr, SimpleNamespace(imgsz=imgsz, seed=0))
     line = [ln for ln in capsys.readouterr().out.splitlines() if "new anchors" in ln]
     assert len(line) == 1, line
     printed = np.array(re.findall(r"(\d+),(\d+)", line[0].split(":", 2)[-1]), float)

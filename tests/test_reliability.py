@@ -38,10 +38,9 @@ sys.path.insert(0, str(ROOT))
 from conftest import deny_image_open  # noqa: E402
 from test_datasets import make_hostile  # noqa: E402
 
-import train  # noqa: E402
-from yolo_min import datasets, dist  # noqa: E402
-from yolo_min.checkpoint import load_model  # noqa: E402
+from yolo_min import datasets, dist, trainer  # noqa: E402
 from yolo_min.models import CFG_DIR  # noqa: E402
+from yolo_min.safe_load import load_model  # noqa: E402
 
 PY = sys.executable
 FAULTY = "tests/faulty_train.py"  # train.py with a planned fault
@@ -108,7 +107,9 @@ ONE_CPU_PROCESS = dist.DistInfo(0, 1, 1, torch.device("cpu"))
 
 
 def args_for(tiny, tmp_path, *extra):
-    return train.get_args_parser().parse_args([*tiny, "--project", str(tmp_path / "runs"), *extra])
+    return trainer.get_args_parser().parse_args(
+        [*tiny, "--project", str(tmp_path / "runs"), *extra]
+    )
 
 
 # ---------------------------------------------------------------- 1 killed worker
@@ -166,7 +167,8 @@ def save(obj, f, *args, **kwargs):
         os.kill(os.getpid(), signal.SIGKILL)
     real_save(obj, f, *args, **kwargs)
 torch.save = save
-train.main(train.get_args_parser().parse_args(sys.argv[1:]))
+from yolo_min import trainer
+trainer.main(trainer.get_args_parser().parse_args(sys.argv[1:]))
 """
 
 
@@ -189,7 +191,7 @@ def test_kill_during_checkpoint_write_keeps_last_good(tiny, tmp_path, monkeypatc
     monkeypatch.setattr(
         torch, "load", lambda *a, **k: modes.append(k.get("weights_only")) or real_load(*a, **k)
     )
-    out = train.main(train.get_args_parser().parse_args(["--resume", str(weights / "last.pt")]))
+    out = trainer.main(trainer.get_args_parser().parse_args(["--resume", str(weights / "last.pt")]))
     assert out["epochs"] == 2 and epochs_in_csv(tmp_path / "exp") == [
         "1",
         "2",
@@ -225,10 +227,10 @@ def test_process_group_is_destroyed_on_error(tiny, tmp_path, monkeypatch):
     """train.main tears the process group down whatever ends the run (here an error
     mid-training)."""
     calls = []
-    monkeypatch.setattr(train.dist, "cleanup", lambda: calls.append("cleanup"))
-    monkeypatch.setattr(train, "fit", lambda args, info: calls.append("train") or 1 / 0)
+    monkeypatch.setattr(trainer.dist, "cleanup", lambda: calls.append("cleanup"))
+    monkeypatch.setattr(trainer, "fit", lambda *args: calls.append("train") or 1 / 0)
     with pytest.raises(ZeroDivisionError):
-        train.main(args_for(tiny, tmp_path))
+        trainer.main(args_for(tiny, tmp_path))
     assert calls == ["train", "cleanup"]
 
 
@@ -315,7 +317,7 @@ def test_hostile_dataset_trains_end_to_end(tiny, tmp_path, capsys, monkeypatch):
             "corrupt": exp["corrupt"] + 1,
             "corrupt_files": exp["corrupt_files"] + ["noperm"],
         }
-    out = train.main(
+    out = trainer.main(
         args_for(
             tiny, tmp_path, "--data", str(d / "data.yaml"), "--epochs", "1", "--batch-size", "2"
         )
@@ -358,9 +360,11 @@ def test_hostile_dataset_trains_end_to_end(tiny, tmp_path, capsys, monkeypatch):
         "path: .\ntrain: images/train\nval: images/none\nnames: [a, b, c]\n"
     )
     with pytest.raises(
-        train.ConfigError, match="val: no images found in .*images/none"
+        trainer.ConfigError, match="val: no images found in .*images/none"
     ):  # an empty split
-        train.main(args_for(tiny, tmp_path / "e", "--data", str(d / "empty.yaml"), "--epochs", "1"))
+        trainer.main(
+            args_for(tiny, tmp_path / "e", "--data", str(d / "empty.yaml"), "--epochs", "1")
+        )
     assert not (tmp_path / "e").exists()
 
 
@@ -395,8 +399,8 @@ def test_bad_configuration_is_one_line_exit_2(tiny, tmp_path):
     }
     if not torch.cuda.is_available():
         cases |= {
-            "--device cuda asked for CUDA": ["--device", "cuda"],
-            "--device cuda:0 asked for CUDA": ["--device", "0"],
+            "--device cuda asks for CUDA": ["--device", "cuda"],
+            "--device 0 asks for CUDA": ["--device", "0"],
         }
     procs = {
         msg: launch(
@@ -434,16 +438,16 @@ def test_cache_that_does_not_fit_is_a_config_error(tiny, tmp_path, monkeypatch):
         datasets, "available_memory", lambda: 1000
     )  # bytes: far less than the images need
     with pytest.raises(
-        train.ConfigError, match="train: caching the images in RAM needs .*: use --cache off"
+        trainer.ConfigError, match="train: caching the images in RAM needs .*: use --cache off"
     ):
-        train.prepare(args_for(tiny, tmp_path, "--cache", "ram"), ONE_CPU_PROCESS)
+        trainer.prepare(args_for(tiny, tmp_path, "--cache", "ram"), ONE_CPU_PROCESS)
     assert not (tmp_path / "runs").exists()
-    train.prepare(args_for(tiny, tmp_path), ONE_CPU_PROCESS)  # --cache auto: simply no cache
+    trainer.prepare(args_for(tiny, tmp_path), ONE_CPU_PROCESS)  # --cache auto: simply no cache
 
 
 def test_imgsz_is_rounded_up_with_a_warning(tiny, tmp_path, capsys):
     args = args_for(tiny, tmp_path, "--imgsz", "65")
-    train.check_args(args, "detect", world_size=1)
+    trainer.check_args(args, "detect", world_size=1)
     assert (
         args.imgsz == 96
         and "warning: --imgsz 65 is not a multiple of 32, using 96" in capsys.readouterr().out
@@ -496,9 +500,9 @@ def test_full_disk_is_an_error_at_start_up(tiny, tmp_path, monkeypatch):
     usage = shutil.disk_usage(tmp_path)
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=5_000_000))
     with pytest.raises(
-        train.ConfigError, match=r"exp: only 5\.0 MB free on disk, checkpoints need about \d+ MB"
+        trainer.ConfigError, match=r"exp: only 5\.0 MB free on disk, checkpoints need about \d+ MB"
     ):
-        train.main(args_for(tiny, tmp_path))
+        trainer.main(args_for(tiny, tmp_path))
     assert not (tmp_path / "runs").exists()  # nothing written, no epoch run
 
 
@@ -514,7 +518,7 @@ def save(obj, f, *args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
     real_save(obj, f, *args, **kwargs)
 torch.save = save
-train.cli()
+train.main()
 """
 
 

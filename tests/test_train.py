@@ -18,19 +18,18 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import train  # noqa: E402
-import val  # noqa: E402
-from yolo_min import checkpoint, dist, shapes  # noqa: E402
+from yolo_min import checkpoint, dist, shapes, trainer, validator  # noqa: E402
 from yolo_min.anchors import bpr_and_aat, fit_anchors, kmeans  # noqa: E402
-from yolo_min.checkpoint import load_model  # noqa: E402
 from yolo_min.datasets import YOLODataset, build_dataloader, load_data_config  # noqa: E402
 from yolo_min.losses import YOLOLoss, scale_hyp  # noqa: E402
 from yolo_min.models import Model  # noqa: E402
+from yolo_min.safe_load import load_model  # noqa: E402
 
-DEFAULT_HYP = train.load_hyp("")
+DEFAULT_HYP = trainer.load_hyp("")
 
 
 def args_for(tmp_path, *extra):
-    return train.get_args_parser().parse_args(
+    return trainer.get_args_parser().parse_args(
         [
             "--project",
             str(tmp_path / "runs"),
@@ -52,7 +51,7 @@ def args_for(tmp_path, *extra):
 # ---------------------------------------------------------------- recipe parts
 def test_optimizer_groups():
     model = Model("yolov5n.yaml", nc=3)
-    opt = train.build_optimizer(model, 0.01, 0.937, 5e-4)
+    opt = trainer.build_optimizer(model, 0.01, 0.937, 5e-4)
     biases, norm_w, weights = (g["params"] for g in opt.param_groups)
     bns = [m for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
     assert {id(p) for p in norm_w} == {id(m.weight) for m in bns}
@@ -68,24 +67,24 @@ def test_optimizer_groups():
 
 
 def test_lr_schedule_and_warmup():
-    assert train.lr_factor(0, 10, 0.01) == 1.0
-    assert train.lr_factor(5, 10, 0.01) == pytest.approx(0.505)
-    assert train.lr_factor(10, 10, 0.01) == pytest.approx(0.01)
-    assert train.lr_factor(5, 10, 0.01, cos=True) == pytest.approx(0.505)
-    assert train.lr_factor(10, 10, 0.01, cos=True) == pytest.approx(0.01)
-    assert train.lr_factor(2, 10, 0.01, cos=True) > train.lr_factor(
+    assert trainer.lr_factor(0, 10, 0.01) == 1.0
+    assert trainer.lr_factor(5, 10, 0.01) == pytest.approx(0.505)
+    assert trainer.lr_factor(10, 10, 0.01) == pytest.approx(0.01)
+    assert trainer.lr_factor(5, 10, 0.01, cos=True) == pytest.approx(0.505)
+    assert trainer.lr_factor(10, 10, 0.01, cos=True) == pytest.approx(0.01)
+    assert trainer.lr_factor(2, 10, 0.01, cos=True) > trainer.lr_factor(
         2, 10, 0.01
     )  # cosine starts slower
-    opt = train.build_optimizer(
+    opt = trainer.build_optimizer(
         nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)), 0.01, 0.937, 5e-4
     )
-    assert train.warmup(opt, 0, 100, 0.9, DEFAULT_HYP, 4.0) == 1
+    assert trainer.warmup(opt, 0, 100, 0.9, DEFAULT_HYP, 4.0) == 1
     assert [g["lr"] for g in opt.param_groups] == [0.1, 0.0, 0.0]  # bias 0.1 down, others 0 up
     assert all(g["momentum"] == 0.8 for g in opt.param_groups)
-    assert train.warmup(opt, 50, 100, 0.9, DEFAULT_HYP, 4.0) == 2  # round(2.5) (banker's) = 2
+    assert trainer.warmup(opt, 50, 100, 0.9, DEFAULT_HYP, 4.0) == 2  # round(2.5) (banker's) = 2
     assert opt.param_groups[0]["lr"] == pytest.approx((0.1 + 0.009) / 2)
     assert opt.param_groups[2]["lr"] == pytest.approx(0.0045)
-    assert train.warmup(opt, 100, 100, 0.9, DEFAULT_HYP, 4.0) == 4
+    assert trainer.warmup(opt, 100, 100, 0.9, DEFAULT_HYP, 4.0) == 4
     assert all(
         g["lr"] == pytest.approx(0.009) and g["momentum"] == pytest.approx(0.937)
         for g in opt.param_groups
@@ -95,7 +94,7 @@ def test_lr_schedule_and_warmup():
 def test_ema_updates_all_float_state():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
-    ema = train.ModelEMA(model)
+    ema = trainer.ModelEMA(model)
     before = {k: v.clone() for k, v in ema.ema.state_dict().items()}
     with torch.no_grad():
         model[0].weight.add_(1.0)
@@ -134,7 +133,8 @@ def test_stop_signal_during_checkpoint_write_waits_for_it(tmp_path, monkeypatch,
         os.kill(os.getpid(), sig)  # arrives while the checkpoint is being written
         real(obj, f)
 
-    signal.signal(signal.SIGTERM, train.stop_on_sigterm)  # as train.py installs it (restored below)
+    # as train.py installs it (restored below)
+    signal.signal(signal.SIGTERM, train.stop_on_sigterm)
     old_int = signal.signal(signal.SIGINT, signal.default_int_handler)  # even if CI ignores SIGINT
     try:
         monkeypatch.setattr(torch, "save", save_interrupted)
@@ -160,9 +160,9 @@ def test_run_folders_and_resume_lookup(tmp_path):
     assert checkpoint.find_resume(args, "run-a") is None  # no last.pt yet: start afresh
     assert checkpoint.find_resume(args, None) is None
     model = Model("yolov5n.yaml", nc=1)
-    opt = train.build_optimizer(model, 0.01, 0.9, 0.0)
-    scaler, ema = torch.amp.GradScaler("cuda", enabled=False), train.ModelEMA(model)
-    hyp, rngs = train.load_hyp(""), [checkpoint.rng_state()]
+    opt = trainer.build_optimizer(model, 0.01, 0.9, 0.0)
+    scaler, ema = torch.amp.GradScaler("cuda", enabled=False), trainer.ModelEMA(model)
+    hyp, rngs = trainer.load_hyp(""), [checkpoint.rng_state()]
     state = checkpoint.training_state(model, ema, opt, scaler, 0, (0.0, 0), args, hyp, rngs)
     checkpoint.save(state, runs / "exp" / "weights" / "last.pt")
     assert checkpoint.find_resume(args, "run-a")[0] == str(runs / "exp" / "weights" / "last.pt")
@@ -192,7 +192,7 @@ def test_check_anchors_refits_poor_anchors():
 
     model = Model("yolov5n.yaml", nc=1)
     old = model.head.anchors.clone()
-    train.autoanchor(model, Labels(), 1.2, args_for(Path("."), "--imgsz", "64"))
+    trainer.autoanchor(model, Labels(), 1.2, args_for(Path("."), "--imgsz", "64"))
     new = (model.head.anchors * model.stride.view(-1, 1, 1)).view(-1, 2).numpy()
     assert not torch.equal(model.head.anchors, old)
     assert bpr_and_aat(new, np.full((1, 2), 60.0 * 64 / 64, np.float32), 1.2)[0] == 1.0
@@ -203,7 +203,7 @@ def test_loss_falls_on_a_fixed_batch():
     model = Model("yolov5n.yaml", nc=2).train()
     hyp = scale_hyp(DEFAULT_HYP, 2, 64)
     crit = YOLOLoss(model, hyp)
-    opt = train.build_optimizer(model, 0.1, 0.937, 5e-4)
+    opt = trainer.build_optimizer(model, 0.1, 0.937, 5e-4)
     scaler = torch.amp.GradScaler("cuda", enabled=False)
     images = torch.randint(0, 255, (4, 3, 64, 64), dtype=torch.uint8)
     targets = torch.tensor(
@@ -217,9 +217,9 @@ def test_loss_falls_on_a_fixed_batch():
     losses = []
     for _ in range(12):
         batch = {"images": images, "targets": targets}
-        loss, _ = train.forward_loss(model, crit, batch, torch.device("cpu"), None)
+        loss, _ = trainer.forward_loss(model, crit, batch, torch.device("cpu"), None)
         loss.backward()
-        train.optimizer_step(model, opt, scaler, None)
+        trainer.optimizer_step(model, opt, scaler, None)
         losses.append(loss.item())
     assert all(math.isfinite(x) for x in losses) and np.mean(losses[-3:]) < 0.9 * losses[0]
 
@@ -256,7 +256,7 @@ def read_csv(path):
     "cfg, data", [("yolov5n.yaml", "coco8.yaml"), ("yolov5n-seg.yaml", "coco8-seg.yaml")]
 )
 def test_two_epochs_on_coco8(tmp_path, data_dir, cfg, data):
-    out = train.main(args_for(tmp_path, "--cfg", cfg, "--data", str(data_dir / data)))
+    out = trainer.main(args_for(tmp_path, "--cfg", cfg, "--data", str(data_dir / data)))
     run = Path(out["save_dir"])
     assert run == tmp_path / "runs" / "exp" and out["epochs"] == 2
     for f in ("weights/last.pt", "weights/best.pt", "args.yaml", "results.csv", "train_batch0.jpg"):
@@ -294,11 +294,11 @@ def test_final_table_is_best_pt(tmp_path, small_shapes, fixtures_dir, capsys):
     plots) instead of validating best.pt again: val.py on best.pt scores exactly the same."""
     weights = str(fixtures_dir / "predict" / "det.pt")  # yolov5-trained on shapes: mAP is not 0
     args = ("--data", small_shapes, "--weights", weights, "--imgsz", "128", "--batch-size", "8")
-    out = train.main(args_for(tmp_path, *args, "--epochs", "1", "--noautoanchor"))
+    out = trainer.main(args_for(tmp_path, *args, "--epochs", "1", "--noautoanchor"))
     run = Path(out["save_dir"])
     assert "Validating" not in capsys.readouterr().out and (run / "val_batch0_pred.jpg").is_file()
     kw = dict(data=small_shapes, imgsz=128, batch_size=16, workers=0, project=str(tmp_path))
-    again = val.run(weights=str(run / "weights" / "best.pt"), **kw)
+    again = validator.run(weights=str(run / "weights" / "best.pt"), **kw)
     assert again["metrics"] == out["metrics"]["metrics"] and again["metrics"]["mAP50(B)"] > 0.5
 
 
@@ -313,20 +313,20 @@ def test_bf16_learns_as_fp32_does(tmp_path, small_shapes):
     batches = list(build_dataloader(ds, 16, 0, shuffle=False)[0])
     torch.manual_seed(0)
     args = args_for(tmp_path, "--imgsz", "128", "--batch-size", "64", "--amp", "on")
-    train.check_args(args, "detect", 1)  # the task's defaults: --optimizer SGD
+    trainer.check_args(args, "detect", 1)  # the task's defaults: --optimizer SGD
     info = dist.DistInfo(0, 1, 1, torch.device("cpu"))
-    hyp = train.load_hyp({"lr0": 0.03, "weight_decay": 0.0})
-    model, criterion, optimizer, scaler, _ = train.build_training(Model(nc=3), hyp, args, info)
+    hyp = trainer.load_hyp({"lr0": 0.03, "weight_decay": 0.0})
+    model, criterion, optimizer, scaler, _ = trainer.build_training(Model(nc=3), hyp, args, info)
     assert model.model[0].conv.weight.is_contiguous(memory_format=torch.channels_last)
     for step in range(120):
         batch = batches[step % len(batches)]
-        loss, _ = train.forward_loss(model, criterion, batch, info.device, torch.bfloat16)
+        loss, _ = trainer.forward_loss(model, criterion, batch, info.device, torch.bfloat16)
         loss.backward()
-        train.optimizer_step(model, optimizer, scaler, None)
+        trainer.optimizer_step(model, optimizer, scaler, None)
     weights = tmp_path / "bf16.pt"
     torch.save({"model_cfg": model.yaml, "model": model.state_dict(), "names": []}, weights)
     kw = dict(data=str(data), imgsz=128, workers=0, amp="off", project=str(tmp_path / "val"))
-    assert val.run(weights=str(weights), **kw)["metrics"]["mAP50(B)"] > 0.5
+    assert validator.run(weights=str(weights), **kw)["metrics"]["mAP50(B)"] > 0.5
 
 
 @pytest.mark.slow
@@ -336,7 +336,7 @@ def test_validation_with_amp_matches_fp32(tmp_path, fixtures_dir):
     for weights in ("det.pt", "seg.pt"):
         kw = dict(weights=str(fixtures_dir / "predict" / weights), data="shapes", imgsz=128)
         kw |= dict(workers=0, project=str(tmp_path), exist_ok=True)
-        off, on = (val.run(**kw, amp=amp, name=amp)["metrics"] for amp in ("off", "on"))
+        off, on = (validator.run(**kw, amp=amp, name=amp)["metrics"] for amp in ("off", "on"))
         assert off["mAP50(B)"] > 0.85  # trained models: differences are not noise on a few hits
         for k in [k for k in off if k.startswith("mAP")]:
             assert on[k] == pytest.approx(off[k], abs=0.005), (weights, k)
@@ -344,7 +344,9 @@ def test_validation_with_amp_matches_fp32(tmp_path, fixtures_dir):
 
 @pytest.mark.slow
 def test_shapes_dataset_is_the_default(tmp_path):
-    out = train.main(args_for(tmp_path, "--batch-size", "16", "--epochs", "1", "--log-every", "4"))
+    out = trainer.main(
+        args_for(tmp_path, "--batch-size", "16", "--epochs", "1", "--log-every", "4")
+    )
     assert read_csv(Path(out["save_dir"]) / "results.csv")[0]["epoch"] == "1"
     assert out["metrics"]["images"] == shapes.N_VAL and out["metrics"]["instances"] > shapes.N_VAL
 
@@ -363,7 +365,7 @@ def test_resume_continues_exactly(tmp_path, data_dir, monkeypatch):
         "--workers",
         "2",
     ]
-    whole = Path(train.main(args_for(tmp_path / "a", *common))["save_dir"])
+    whole = Path(trainer.main(args_for(tmp_path / "a", *common))["save_dir"])
 
     save = checkpoint.save
 
@@ -378,18 +380,18 @@ def test_resume_continues_exactly(tmp_path, data_dir, monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "resume-test")  # as if under torchrun
     monkeypatch.setattr(checkpoint, "save", save_then_stop(0))
     with pytest.raises(KeyboardInterrupt):
-        train.main(args_for(tmp_path / "b", *common))
+        trainer.main(args_for(tmp_path / "b", *common))
     run = tmp_path / "b" / "runs" / "exp"
     monkeypatch.setattr(checkpoint, "save", save_then_stop(1))
     with pytest.raises(KeyboardInterrupt):
-        train.main(
-            train.get_args_parser().parse_args(["--resume", str(run / "weights" / "last.pt")])
+        trainer.main(
+            trainer.get_args_parser().parse_args(["--resume", str(run / "weights" / "last.pt")])
         )
     monkeypatch.setattr(checkpoint, "save", save)
     monkeypatch.setenv(
         "TORCHELASTIC_RESTART_COUNT", "1"
     )  # the same command again, as torchrun restarts it
-    assert Path(train.main(args_for(tmp_path / "b", *common))["save_dir"]) == run
+    assert Path(trainer.main(args_for(tmp_path / "b", *common))["save_dir"]) == run
 
     a, b = (torch.load(r / "weights" / "last.pt", weights_only=True) for r in (whole, run))
     assert a["epoch"] == b["epoch"] == 2 and a["ema_updates"] == b["ema_updates"]
@@ -409,7 +411,7 @@ def test_weights_transfer_and_freeze(tmp_path, data_dir, fixtures_dir, capsys):
     args = args_for(
         tmp_path, "--data", str(data_dir / "coco8.yaml"), "--weights", str(src), "--freeze", "10"
     )
-    model = train.build_model(args, load_data_config(args.data), None)
+    model = trainer.build_model(args, load_data_config(args.data), None)
     n = len(model.state_dict())
     assert f"Transferred {n - 1}/{n} items" in capsys.readouterr().out  # all but model.24.anchors
     ref = load_model(src).state_dict()

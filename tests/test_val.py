@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 import yaml
 
-import val
+from yolo_min import validator
 from yolo_min.checkpoint import next_run_dir
 from yolo_min.datasets import YOLODataset, build_dataloader, load_data_config
 from yolo_min.models import Model
@@ -29,7 +29,7 @@ def val_args(weights, data, imgsz: int, *more):
     """val.py's arguments for these tests: CPU, no workers, batches of 2, conf 1e-4, then `more`."""
     flags = f"--imgsz {imgsz} --batch-size 2 --device cpu --workers 0 --conf-thres 0.0001".split()
     args = ["--weights", weights, "--data", data, *flags, *more]
-    return val.get_args_parser().parse_args([str(a) for a in args])
+    return validator.get_args_parser().parse_args([str(a) for a in args])
 
 
 class Oracle(nn.Module):
@@ -100,7 +100,7 @@ def test_evaluate_oracle_matches_pycocotools_on_predictions_json(data_dir, tmp_p
     )
     loader, _ = build_dataloader(dataset, 2, workers=0, shuffle=False)
     model = Oracle(dataset, 2, task)
-    res = val.evaluate(model, loader, save_json=tmp_path / "p.json")
+    res = validator.evaluate(model, loader, save_json=tmp_path / "p.json")
     m = res["metrics"]
     assert (
         res["images"] == 4
@@ -120,9 +120,9 @@ def test_evaluate_oracle_matches_pycocotools_on_predictions_json(data_dir, tmp_p
         assert m["mAP50(M)"] == pytest.approx(ap50, abs=0.005)
         want = sum(0.1 * m[f"mAP50({k})"] + 0.9 * m[f"mAP50-95({k})"] for k in "BM")
         assert res["fitness"] == pytest.approx(want)
-    again = val.evaluate(Oracle(dataset, 2, task), loader)  # no json: pruned mask work
+    again = validator.evaluate(Oracle(dataset, 2, task), loader)  # no json: pruned mask work
     assert again["metrics"] == res["metrics"]
-    table = val.format_table(res, data["names"], verbose=True)
+    table = validator.format_table(res, data["names"], verbose=True)
     assert "person" in table and len(table.splitlines()) == 2 + len(res["per_class"])
 
 
@@ -146,7 +146,7 @@ def test_val_main_on_checkpoints(fixtures_dir, data_dir, tmp_path, kind):
         )
     more = "--max-det 100 --save-json --coco-ids --plots --verbose --name exp".split()
     args = val_args(weights, data, 96, *more, "--project", tmp_path / "runs")
-    res = val.main(args)
+    res = validator.main(args)
     out = tmp_path / "runs" / "exp"
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["images"] == 4 and metrics["instances"] == 17
@@ -155,7 +155,7 @@ def test_val_main_on_checkpoints(fixtures_dir, data_dir, tmp_path, kind):
     assert list(metrics["metrics"]) == names and metrics["metrics"] == res["metrics"]
     preds = json.loads((out / "predictions.json").read_text())
     assert preds and {p["image_id"] for p in preds} <= {36, 42, 49, 61}
-    assert all(p["category_id"] in val.COCO91_IDS and len(p["bbox"]) == 4 for p in preds)
+    assert all(p["category_id"] in validator.COCO91_IDS and len(p["bbox"]) == 4 for p in preds)
     assert all("segmentation" in p for p in preds) == (kind != "yolov5")
     assert (out / "val_batch0_labels.jpg").exists() and (out / "val_batch0_pred.jpg").exists()
 
@@ -321,7 +321,7 @@ def test_coco_ids_are_the_official_category_ids(fixtures_dir, data_dir, tmp_path
     for name, extra in (("plain", []), ("coco", ["--coco-ids"])):
         weights = fixtures_dir / "yolov5n_random_v5format.pt"
         more = ["--max-det", 3000, "--save-json", "--project", tmp_path, "--name", name, *extra]
-        val.main(val_args(weights, data_dir / "coco8.yaml", 64, *more))
+        validator.main(val_args(weights, data_dir / "coco8.yaml", 64, *more))
     plain, coco = (
         json.loads((tmp_path / n / "predictions.json").read_text()) for n in ("plain", "coco")
     )

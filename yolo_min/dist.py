@@ -7,6 +7,7 @@ import contextlib
 import datetime
 import os
 import socket
+import sys
 from typing import NamedTuple
 
 import torch
@@ -24,14 +25,33 @@ class DistInfo(NamedTuple):
 
 def select_device(device: str = "") -> torch.device:
     """'' -> cuda:0 if available else cpu; 'cpu'; 'cuda'; '0' or 'cuda:1'."""
-    device = str(device).strip().lower() or ("cuda:0" if torch.cuda.is_available() else "cpu")
-    device = f"cuda:{device}" if device.isdigit() else device
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"--device {device} asked for CUDA, but torch sees no CUDA device")
+    given = str(device).strip()
+    name = given.lower() or ("cuda:0" if torch.cuda.is_available() else "cpu")
+    if name.isdigit():
+        name = f"cuda:{name}"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {given} asks for CUDA, but torch sees no CUDA device")
     try:
-        return torch.device(device)
+        return torch.device(name)
     except RuntimeError:
-        raise ValueError(f"--device {device}: not a device (cpu, cuda, 0, cuda:1, ...)") from None
+        why = "not a device (cpu, cuda, 0, cuda:1, 0,1, ...)"
+        raise ValueError(f"--device {given}: {why}") from None
+
+
+def listed_gpus(device: str, local_rank: int, local_world_size: int, world_size: int) -> str:
+    """--device '0,1': under torchrun, the GPU of this local rank ('1' for local rank 1); the list's
+    length must be the node's process count. One process: ValueError with the command to use."""
+    ids = [i.strip() for i in str(device).split(",")]
+    if not all(i.isdigit() for i in ids):
+        raise ValueError(f"--device {device}: not a list of GPU indices (0,1,...)")
+    if world_size == 1:
+        script = " ".join(sys.argv) if sys.argv[0].endswith(".py") else "your_script.py"
+        command = f"torchrun --standalone --nproc_per_node {len(ids)} {script}"
+        raise ValueError(f"--device {device}: one process per GPU, started by torchrun: {command}")
+    if len(ids) != local_world_size:
+        ranks = f"torchrun started {local_world_size} processes on this node"
+        raise ValueError(f"--device {device} lists {len(ids)} GPUs, but {ranks}")
+    return ids[local_rank]
 
 
 def setup(device: str = "") -> DistInfo:
@@ -39,20 +59,27 @@ def setup(device: str = "") -> DistInfo:
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    listed = "," in str(device)
+    if listed:
+        device = listed_gpus(device, local_rank, local_size, world_size)
     dev = select_device(device)
     if world_size > 1 and dev.type == "cuda":
         if (n := torch.cuda.device_count()) < local_size:  # every rank stops; rank 0 says why
             why = f"torchrun started {local_size} processes on a node with {n} GPU(s)"
             raise ValueError(f"{why}: --nproc_per_node {n}, or --device cpu")
-        dev = torch.device("cuda", local_rank)  # under torchrun each rank owns one GPU
+        if not listed:
+            # under torchrun each rank owns one GPU, its local rank's unless listed
+            dev = torch.device("cuda", local_rank)
         torch.cuda.set_device(dev)
     if world_size > 1 and not dist.is_initialized():
-        # torchrun's agent keeps one store across restarts: a key prefix per attempt stops a
-        # restarted group from reading the addresses of the dead one (pytorch/pytorch#135712)
+        # torchrun's agent keeps one store across restarts and across the groups a script makes
+        # one after another (YOLO.train, then .val): a key prefix per attempt and group stops a
+        # new group from reading the addresses of an old one (pytorch/pytorch#135712)
         kw = dict(rank=rank, world_size=world_size, timeout=datetime.timedelta(minutes=10))
         store, _, _ = next(dist.rendezvous("env://", **kw))  # a TCPStore with this timeout
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        store = dist.PrefixStore(f"yolo_min/attempt{attempt}", store)
+        group = store.add(f"yolo_min/attempt{attempt}/groups_of_rank{rank}", 1)
+        store = dist.PrefixStore(f"yolo_min/attempt{attempt}/group{group}", store)
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", store=store, **kw)
     return DistInfo(rank, world_size, local_size, dev)
 
@@ -132,6 +159,11 @@ def main_first():
     finally:  # the others are released even when the body raises on local rank 0
         if first:
             barrier()
+
+
+def env_rank() -> int:
+    """This process's rank as torchrun set it (0 without torchrun), with or without a group."""
+    return int(os.environ.get("RANK", "0"))
 
 
 def print0(*args, **kwargs) -> None:

@@ -1,5 +1,6 @@
-"""Boxes (and masks), or a classifier's top 5, as yolov5's detect.py: `python predict.py --weights
-best.pt --source images/` (torchrun shares the files), `run(...)`, or `predict()` and `draw()`."""
+"""Prediction as yolov5's detect.py: boxes (and masks), or a classifier's top 5. `stream` is the
+loop (`YOLO.predict`); `main` runs it on a source and writes yolov5's outputs (predict.py), each
+rank on its share of the files under torchrun."""
 
 from __future__ import annotations
 
@@ -16,11 +17,13 @@ import torchvision.transforms.v2.functional as TF
 from PIL import Image, ImageDraw, ImageOps
 from torch.utils.data import DataLoader
 
-from val import STAGES, base_parser, cli, infer, parse_kwargs, speed_line
-from yolo_min import dist, ops, plots
-from yolo_min.checkpoint import load_model, next_run_dir
-from yolo_min.labels import IMG_FORMATS, DataError
-from yolo_min.models import amp_dtype, make_divisible
+from . import dist, ops, plots
+from .checkpoint import next_run_dir
+from .cli import parse_kwargs
+from .labels import IMG_FORMATS, DataError
+from .models import amp_dtype, make_divisible
+from .safe_load import load_model
+from .validator import STAGES, base_parser, infer, speed_line
 
 PREDICT_NMS = dict(conf_thres=0.25, iou_thres=0.45, max_det=1000)  # yolov5's detect.py
 
@@ -207,13 +210,19 @@ def get_args_parser() -> argparse.ArgumentParser:
     return p
 
 
+def predict_amp(device: torch.device, amp: str) -> torch.dtype | None:
+    """The autocast dtype of prediction (None: fp32): amp_dtype's, but fp32 for `auto` on a CPU."""
+    # bf16 moved ~5% of detections across the thresholds (README)
+    if device.type == "cpu" and amp == "auto":
+        return None
+    return amp_dtype(device, amp)
+
+
 def main(args: argparse.Namespace) -> dict:
     """Predict --source, sharded -> {"save_dir", "images", "skipped", "detections", "speed"}."""
     info = dist.setup(args.device)
     try:
-        # on a CPU `auto` is fp32: bf16 moved ~5% of detections across the thresholds (README)
-        cpu_auto = info.device.type == "cpu" and args.amp == "auto"
-        amp = amp_dtype(info.device, "off" if cpu_auto else args.amp)
+        amp = predict_amp(info.device, args.amp)
         layout = torch.channels_last if args.amp != "off" else None  # faster, in fp32 too
         model = load_model(args.weights, info.device).fuse().to(memory_format=layout)
         if args.classes and not all(0 <= c < model.nc for c in args.classes):
@@ -259,7 +268,3 @@ def main(args: argparse.Namespace) -> dict:
 def run(**kwargs) -> dict:
     """predict.py from Python: `run(weights="best.pt", source="images/")` returns main's dict."""
     return main(parse_kwargs(get_args_parser(), kwargs))
-
-
-if __name__ == "__main__":
-    cli(main, get_args_parser())

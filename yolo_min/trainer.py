@@ -1,23 +1,19 @@
-"""Train a YOLOv5 detection, segmentation or classification model, in one process or many.
-
-    python train.py --cfg yolov5n-seg.yaml --data coco128-seg.yaml --epochs 100 --imgsz 640
-    torchrun --standalone --nproc_per_node 4 train.py --data coco.yaml --batch-size 64  # global
-
---resume continues a run exactly; after a torchrun restart it does so by itself."""
+"""Training: the options, the builders, the step loop (`train_one_epoch`) and the epoch loop with
+its checkpoints and resume (`fit`), in one process or on every rank under torchrun; train.py and
+`yolo_min.YOLO.train` call `train`."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
 import datetime
+import itertools
 import math
-import os
 import random
 import resource
-import signal
-import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -25,24 +21,22 @@ import yaml
 from torch import nn, optim
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import val
-from yolo_min import checkpoint, datasets, dist
-from yolo_min.anchors import check_anchors
-from yolo_min.datasets import ClassifyDataset, YOLODataset, build_dataloader
-from yolo_min.losses import ClassifyLoss, YOLOLoss, scale_hyp
-from yolo_min.metrics import KINDS, metric_names
-from yolo_min.models import CFG_DIR, Model, ModelEMA, amp_dtype, de_parallel, make_divisible
-from yolo_min.plots import draw_batch
+from . import checkpoint, datasets, dist, safe_load, validator
+from .anchors import check_anchors
+from .cli import ConfigError, parse_kwargs
+from .datasets import ClassifyDataset, YOLODataset, build_dataloader
+from .losses import ClassifyLoss, YOLOLoss, scale_hyp
+from .metrics import KINDS, metric_names
+from .models import CFG_DIR, Model, ModelEMA, amp_dtype, de_parallel, make_divisible
+from .plots import draw_batch
 
 NOMINAL_BATCH = 64  # detection: gradients accumulate over this many images before a step
 HYP_FILES = {"classify": "hyp.cls.yaml"}  # no warmup, no accumulation; else hyp.scratch-low
 TASK_DEFAULTS = {"classify": dict(imgsz=224, batch_size=64, optimizer="Adam")}  # unless given
 DEFAULTS = dict(imgsz=640, batch_size=16, optimizer="SGD")
+# trainings this process has started (a script may train more than once under one torchrun run)
+TRAININGS_STARTED = itertools.count()
 OPTIMIZERS = dict(SGD=optim.SGD, Adam=optim.Adam, AdamW=optim.AdamW, RMSProp=optim.RMSprop)
-
-
-class ConfigError(ValueError):
-    """A bad argument or input file, found before any work: one actionable line, exit 2."""
 
 
 def get_args_parser() -> argparse.ArgumentParser:
@@ -56,7 +50,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--imgsz", type=int, help="train and val image size (640; classify 224)")
     p.add_argument("--optimizer", choices=list(OPTIMIZERS), help="SGD (classify: Adam)")
     p.add_argument("--device", default="", help="cpu, cuda or a GPU index")
-    p.add_argument("--amp", choices=["auto", "on", "off"], default="auto", help=val.AMP_HELP)
+    p.add_argument("--amp", choices=["auto", "on", "off"], default="auto", help=validator.AMP_HELP)
     p.add_argument("--workers", type=int, default=8, help="dataloader workers per rank")
     p.add_argument("--project", default="runs/train")
     p.add_argument("--name", default="exp")
@@ -109,20 +103,38 @@ def check_args(args: argparse.Namespace, task: str, world_size: int) -> None:
         args.imgsz = size
 
 
-def build_model(args, data: dict, ckpt: dict | None) -> Model:
-    """--cfg (resumed: its own) with data's classes, --weights' fitting tensors, --freeze."""
-    model = Model(ckpt["model_cfg"] if ckpt else args.cfg, nc=data["nc"])
-    if args.weights and not ckpt:
-        have, src = model.state_dict(), checkpoint.load_model(args.weights).state_dict()
-        keep = {k: v for k, v in src.items() if k in have and v.shape == have[k].shape}
-        keep = {k: v for k, v in keep.items() if not k.endswith("anchors")}  # --cfg's, AutoAnchor
-        model.load_state_dict(keep, strict=False)
-        dist.print0(f"Transferred {len(keep)}/{len(have)} items from {args.weights}")
+def build_model(args, data: dict, ckpt: dict | None, given: Model | None = None) -> Model:
+    """The model to train with data's classes: the given one (YOLO.train), else --cfg (resumed:
+    its own) with --weights' fitting tensors; then --freeze."""
+    if given is not None and given.nc == data["nc"]:
+        model = given
+    elif given is not None:
+        # the classes differ: a new head for the data's, every other weight carried over
+        model = Model(given.yaml, nc=data["nc"])
+        kept = transfer(given.state_dict(), model, keep_anchors=True)
+        where = f"the model's {given.nc} classes -> the data's {data['nc']}"
+        dist.print0(f"New head ({where}): transferred {kept}/{len(model.state_dict())} items")
+    else:
+        model = Model(ckpt["model_cfg"] if ckpt else args.cfg, nc=data["nc"])
+    if args.weights and not ckpt and given is None:
+        # the anchors stay --cfg's, then AutoAnchor's
+        kept = transfer(safe_load.load_model(args.weights).state_dict(), model, keep_anchors=False)
+        dist.print0(f"Transferred {kept}/{len(model.state_dict())} items from {args.weights}")
     frozen = args.freeze if len(args.freeze) > 1 else range(args.freeze[0])
     for k, p in model.named_parameters():
         p.requires_grad = int(k.split(".")[1]) not in frozen
     model.names = data["names"]
     return model
+
+
+def transfer(state: dict, model: nn.Module, keep_anchors: bool) -> int:
+    """Load the tensors of state whose name and shape fit model; returns how many."""
+    have = model.state_dict()
+    fits = {k: v for k, v in state.items() if k in have and v.shape == have[k].shape}
+    if not keep_anchors:
+        fits = {k: v for k, v in fits.items() if not k.endswith("anchors")}
+    model.load_state_dict(fits, strict=False)
+    return len(fits)
 
 
 def build_loaders(args, hyp: dict, model: Model, data: dict, info) -> tuple:
@@ -178,7 +190,7 @@ def warmup(optimizer, it: int, warmup_iters: int, lf: float, hyp: dict, accumula
 # ---------------------------------------------------------------- one epoch
 def forward_loss(model, criterion: YOLOLoss, batch: dict, device, amp: torch.dtype | None):
     """(loss, loss items) of a batch: the model under autocast to amp (None: fp32), loss in fp32."""
-    images = val.preprocess(batch["images"], device, de_parallel(model).task == "classify")
+    images = validator.preprocess(batch["images"], device, de_parallel(model).task == "classify")
     labels = [batch[k].to(device) for k in ("targets", "masks") if batch.get(k) is not None]
     with torch.autocast(device.type, amp, enabled=amp is not None):
         preds = model(images)
@@ -263,18 +275,62 @@ def resumed_args(cli, path: str, ckpt: dict) -> argparse.Namespace:
     return argparse.Namespace(**(stored | own))
 
 
+# ---------------------------------------------------------------- callbacks
+EVENTS = ("on_train_epoch_end", "on_fit_epoch_end", "on_train_end")
+
+
+class Event(NamedTuple):
+    """What a callback is called with, on every rank: the event (EVENTS: after an epoch's training,
+    after its validation and checkpoints, at the end), the epoch (1-based), its mean loss items,
+    its validation metrics (evaluate's dict; None where not validated), the run folder, the rank."""
+
+    name: str
+    epoch: int
+    losses: dict
+    metrics: dict | None
+    save_dir: Path
+    rank: int
+
+
+class CallbackError(RuntimeError):
+    """A callback raised: the run stopped on every rank."""
+
+
+def run_callbacks(callbacks: dict, event: Event) -> None:
+    """Call the event's callbacks; if one raises on any rank, CallbackError on every rank."""
+    if not callbacks:
+        return
+    failed = None
+    for fn in callbacks.get(event.name, []):
+        try:
+            fn(event)
+        except Exception as e:
+            name = getattr(fn, "__qualname__", repr(fn))
+            failed = f"callback {name} for {event.name} raised {type(e).__name__}: {e}"
+            failed += f" (rank {event.rank}, epoch {event.epoch})"
+            break
+    # every rank learns of a failure on any rank, so none is left waiting in a collective
+    failures = [f for f in dist.all_gather_object(failed) if f]
+    if failures:
+        kept = "training stopped; weights/last.pt holds the last saved epoch"
+        raise CallbackError(f"{failures[0].splitlines()[0]}; {kept}")
+
+
 # ---------------------------------------------------------------- the run
-def prepare(args, info) -> tuple:
+def prepare(args, info, given: Model | None = None) -> tuple:
     """Everything before the first epoch that bad input can stop: ConfigError (one line) then.
     Returns (args, resumed checkpoint or None, hyp, model, train loader, val loader, save_dir)."""
     try:
         ckpt, run_id = None, dist.torchrun_id()
+        if run_id:
+            # the k-th training of a script finds the folder of its k-th before a restart
+            run_id = f"{run_id}/training{next(TRAININGS_STARTED)}"
         if resumed := dist.run_on_main(checkpoint.find_resume, args, run_id):
             args, ckpt = resumed_args(args, *resumed), resumed[1]
         torch.manual_seed(args.seed)  # the same initial weights on every rank
         with dist.main_first():  # local rank 0 first: it writes the label caches (and shapes)
             data = datasets.load_data_config(args.data)
-            model = build_model(args, data, ckpt)
+            model = build_model(args, data, ckpt, given)
             check_args(args, model.task, info.world_size)
             hyp = load_hyp(ckpt["hyp"] if ckpt else args.hyp, model.task)
             loader, val_loader = build_loaders(args, hyp, model, data, info)
@@ -298,17 +354,21 @@ def build_training(model: Model, hyp: dict, args, info) -> tuple:
     amp = amp_dtype(info.device, args.amp)  # channels_last: the faster layout under autocast
     model = model.to(memory_format=torch.channels_last if amp else None)
     scaler = torch.amp.GradScaler("cuda", enabled=amp == torch.float16)  # fp16 needs loss scaling
-    ema = ModelEMA(model)
     if info.world_size > 1:
         if args.sync_bn and info.device.type == "cuda":
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        # DDP starts every rank from rank 0's weights (a model built in a script may differ)
         model = DDP(model, device_ids=[info.device.index] if info.device.type == "cuda" else None)
+    ema = ModelEMA(model)
     return model, criterion, optimizer, scaler, ema
 
 
-def fit(args, info) -> dict:
-    """Train. Returns {save_dir, epochs (the last run), best_fitness, metrics (best.pt), img_s}."""
-    args, ckpt, hyp, model, loader, val_loader, save_dir = prepare(args, info)
+def fit(args, info, given: Model | None = None, callbacks: dict | None = None) -> dict:
+    """Train (the given model, else args'). Returns {save_dir, data, epochs (the last run),
+    best_fitness, metrics (best.pt), img_s, model: the trained Model, eval mode, with best.pt's
+    weights (else last.pt's)}; callbacks: {event: [functions]} (see EVENTS)."""
+    callbacks = callbacks or {}
+    args, ckpt, hyp, model, loader, val_loader, save_dir = prepare(args, info, given)
     for seed in (random.seed, np.random.seed, torch.manual_seed):
         seed(args.seed + info.rank)  # augmentation has its own seeds, per sample
     model, amp, task = model.to(info.device), amp_dtype(info.device, args.amp), model.task
@@ -329,17 +389,19 @@ def fit(args, info) -> dict:
         dist.print0(f"Resuming {save_dir} at epoch {start + 1}/{args.epochs}")
     where = f"{info.world_size} rank(s) on {info.device.type}, batch {args.batch_size}"
     dist.print0(f"{task} training: {where}, {args.epochs} epochs, in {save_dir}")
-    t_start, img_s, epoch, metrics = time.time(), [], start - 1, None
+    t_start, img_s, epoch, metrics, losses = time.time(), [], start - 1, None, {}
     for epoch in range(start, args.epochs):
         loader.sampler.set_epoch(epoch)
         step = (model, criterion, optimizer, scaler, ema, loader, epoch, args, hyp, save_dir)
         losses, speed = train_one_epoch(*step)
         img_s.append(speed)
+        event = Event("on_train_epoch_end", epoch + 1, losses, None, save_dir, info.rank)
+        run_callbacks(callbacks, event)
         metrics = None
         if epoch + 1 == args.epochs or not args.noval:  # BN buffers differ between DDP ranks:
             dist.broadcast_tensors(ema.ema.state_dict().values())  # all validate rank 0's EMA
             plots = save_dir if epoch + 1 == args.epochs else None  # as the final validation's
-            metrics = val.evaluate(ema.ema, val_loader, plots_dir=plots, amp=amp)
+            metrics = validator.evaluate(ema.ema, val_loader, plots_dir=plots, amp=amp)
             best = max(best, (metrics["fitness"], epoch))  # equal fitness: the later epoch
         stop = metrics and args.patience and epoch - best[1] >= args.patience
         rngs = dist.all_gather_object(checkpoint.rng_state())
@@ -352,6 +414,7 @@ def fit(args, info) -> dict:
                 if metrics and best[1] == epoch:
                     checkpoint.save(state, save_dir / "weights" / "best.pt")
         dist.barrier()  # the checkpoints are on disk before any rank goes on
+        run_callbacks(callbacks, event._replace(name="on_fit_epoch_end", metrics=metrics))
         if stop:
             best_epoch = f"the best was epoch {best[1] + 1}"
             dist.print0(f"Early stop: no improvement in {args.patience} epochs, {best_epoch}")
@@ -362,10 +425,15 @@ def fit(args, info) -> dict:
         path = path if path.is_file() else path.with_name("last.pt")
         dist.print0(f"Validating {path}")
         ema.ema.load_state_dict(dist.run_on_main(lambda: checkpoint.load(path)["ema"]))
-        metrics = val.evaluate(ema.ema, val_loader, plots_dir=save_dir, amp=amp)
-    dist.print0(val.format_table(metrics, ema.ema.names) + f"\nResults saved to {save_dir}")
-    out = dict(save_dir=str(save_dir), epochs=epoch + 1, best_fitness=best[0], metrics=metrics)
-    return out | dict(img_s=img_s)
+        metrics = validator.evaluate(ema.ema, val_loader, plots_dir=save_dir, amp=amp)
+    dist.print0(validator.format_table(metrics, ema.ema.names) + f"\nResults saved to {save_dir}")
+    trained = de_parallel(model)
+    trained.load_state_dict(ema.ema.state_dict())
+    trained = trained.to(memory_format=torch.contiguous_format).eval()
+    end = Event("on_train_end", epoch + 1, losses, metrics, save_dir, info.rank)
+    run_callbacks(callbacks, end)
+    out = dict(save_dir=str(save_dir), data=args.data, epochs=epoch + 1, best_fitness=best[0])
+    return out | dict(metrics=metrics, img_s=img_s, model=trained)
 
 
 def autoanchor(model: Model, train_set, thr: float, args) -> None:
@@ -392,44 +460,18 @@ def log_epoch(save_dir: Path, epoch, args, losses: dict, metrics, optimizer, img
     print(f"epoch {epoch + 1}/{args.epochs}: {img_s:.1f} img/s  {val}", flush=True)
 
 
-def main(args: argparse.Namespace) -> dict:
+def main(args: argparse.Namespace, model: Model | None = None, callbacks=None) -> dict:
     """Train (see `fit`); the process group lives as long as the call."""
     try:
         info = dist.setup(args.device)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     try:
-        return fit(args, info)
+        return fit(args, info, model, callbacks)
     finally:
         dist.cleanup()
 
 
 def run(**kwargs) -> dict:
-    """train.py from Python: `train.run(cfg="yolov5n-seg.yaml", epochs=3)` returns fit's dict."""
-    return main(val.parse_kwargs(get_args_parser(), kwargs))
-
-
-def cli() -> None:
-    """The command line: exit 2 for a bad configuration (said once, by rank 0), 1 for a non-finite
-    loss or a checkpoint that cannot be written, 130 / 143 when stopped by Ctrl-C / SIGTERM."""
-    if int(os.environ.get("WORLD_SIZE", "1")) == 1:  # under torchrun SIGTERM ends a rank at once
-        signal.signal(signal.SIGTERM, stop_on_sigterm)
-    try:  # val.py's command line: a ConfigError is one line from rank 0, exit 2
-        val.cli(main, get_args_parser(), errors=(ConfigError,))
-    except (FloatingPointError, checkpoint.SaveError) as e:  # last.pt holds the last good epoch
-        sys.exit(f"train.py: {e}")
-    except KeyboardInterrupt as e:
-        why = str(e) or "SIGINT"
-        last = "weights/last.pt holds the last completed epoch"
-        print(f"train.py: stopped by {why}; {last}", file=sys.stderr)
-        sys.exit(143 if why == "SIGTERM" else 130)
-
-
-def stop_on_sigterm(signum, frame):
-    """SIGTERM stops a one-process run like Ctrl-C; a second one ends it at once."""
-    signal.signal(signum, signal.SIG_DFL)
-    raise KeyboardInterrupt("SIGTERM")
-
-
-if __name__ == "__main__":
-    cli()
+    """Train from Python with train.py's options: `run(cfg="yolov5n.yaml", epochs=3)` -> fit's."""
+    return main(parse_kwargs(get_args_parser(), kwargs))

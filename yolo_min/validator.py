@@ -1,12 +1,11 @@
-"""Validate a checkpoint: COCO-exact box (and mask) mAP, or top-1/5 accuracy: `python val.py
---weights best.pt --data coco128.yaml` (torchrun shards it) or `evaluate` (for train.py)."""
+"""Validation: COCO-exact box (and mask) mAP, or top-1/5 accuracy. `evaluate` is the loop that
+training runs every epoch on every rank; `main` validates a checkpoint (val.py, `YOLO.val`),
+sharded over the ranks under torchrun."""
 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
-import os
 import time
 from pathlib import Path
 
@@ -15,9 +14,11 @@ import torch
 import torch.nn.functional as F
 import torchvision.transforms.v2.functional as TF
 
-from yolo_min import datasets, dist, metrics, ops, plots
-from yolo_min.checkpoint import load_model, next_run_dir
-from yolo_min.models import amp_dtype, de_parallel, make_divisible
+from . import datasets, dist, metrics, ops, plots
+from .checkpoint import next_run_dir
+from .cli import parse_kwargs
+from .models import amp_dtype, de_parallel, make_divisible
+from .safe_load import load_model
 
 # the official COCO category ids of the 80 YOLO classes (COCO numbers 91, 11 of them unused)
 COCO91_IDS = [i for i in range(1, 91) if i not in (12, 26, 29, 30, 45, 66, 68, 69, 71, 83)]
@@ -91,6 +92,10 @@ def evaluate(model, loader, nms=VAL_NMS, plots_dir=None, save_json=None, coco_id
     records = metrics.merge_records(dist.all_gather_object(records))
     kinds = metrics.KINDS[model.task]
     res = metrics.summarize_classes(records) if classify else metrics.summarize(records, kinds)
+    # the mean over every rank's images: the same dict on every rank
+    timings = dist.all_gather_object((times, seen))
+    times = sum(t for t, _ in timings)
+    seen = sum(n for _, n in timings)
     res["speed"] = dict(zip(STAGES, (times * 1000 / max(seen, 1)).tolist()))
     if save_json and dist.is_main():
         Path(save_json).write_text(json.dumps([d for r in records for d in r["json"]]))
@@ -181,20 +186,24 @@ def get_args_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(args: argparse.Namespace) -> dict:
-    """Validate; rank 0 prints the table and writes metrics.json. Returns evaluate's metrics."""
+def main(args: argparse.Namespace, model=None) -> dict:
+    """Validate the model (YOLO.val), else --weights; rank 0 prints the table and writes
+    metrics.json. Returns evaluate's metrics."""
     info = dist.setup(args.device)
     try:
         amp = amp_dtype(info.device, args.amp)
-        layout = torch.channels_last if amp else None  # faster under autocast (CPU and CUDA)
-        model = load_model(args.weights, info.device).to(memory_format=layout)
+        layout = torch.channels_last if amp else torch.contiguous_format  # faster under autocast
+        if model is None:
+            model = load_model(args.weights, info.device)
+        model = model.to(info.device, memory_format=layout)
+        source = args.weights or "the model"
         imgsz = make_divisible(args.imgsz, int(model.stride.max()))
         local = dict(local_world_size=info.local_world_size)
         with dist.main_first():  # local rank 0 verifies the labels and writes their cache first
             data = datasets.load_data_config(args.data)
             datasets.check_task(data, model.task)
             if model.nc != data["nc"]:
-                raise ValueError(f"{args.weights}: {model.nc} classes, {args.data}: {data['nc']}")
+                raise ValueError(f"{source}: {model.nc} classes, {args.data}: {data['nc']}")
             if args.coco_ids and data["nc"] != 80:
                 raise ValueError(f"--coco-ids: {args.data} does not have the 80 COCO classes")
             if model.task == "classify":
@@ -216,7 +225,7 @@ def main(args: argparse.Namespace) -> dict:
         res = evaluate(model, loader, VAL_NMS | nms, amp=amp, **kw)
         if info.rank == 0:
             print(format_table(res, data["names"], args.verbose))
-            print(speed_line(res["speed"], f"{imgsz} (rank 0)"))
+            print(speed_line(res["speed"], f"{imgsz}"))
             summary = {k: v for k, v in res.items() if k != "per_class"}
             (save_dir / "metrics.json").write_text(json.dumps(summary, indent=2))
             print(f"Results saved to {save_dir}")
@@ -225,30 +234,6 @@ def main(args: argparse.Namespace) -> dict:
         dist.cleanup()
 
 
-def parse_kwargs(parser: argparse.ArgumentParser, kwargs: dict) -> argparse.Namespace:
-    """run(**kwargs)'s arguments: the parser's defaults updated by kwargs; TypeError if unknown."""
-    actions = [a for a in parser._actions if a.dest != "help"]
-    if unknown := sorted(set(kwargs) - {a.dest for a in actions}):
-        raise TypeError(f"unknown option(s) {unknown}: see {parser.prog} --help")
-    if missing := [a.dest for a in actions if a.required and a.dest not in kwargs]:
-        raise TypeError(f"missing option(s) {missing}")
-    return argparse.Namespace(**{a.dest: a.default for a in actions} | kwargs)
-
-
 def run(**kwargs) -> dict:
     """val.py from Python: `val.run(weights="best.pt", data="coco128.yaml")` returns main's."""
     return main(parse_kwargs(get_args_parser(), kwargs))
-
-
-def cli(main, parser: argparse.ArgumentParser, errors=(ValueError, OSError)) -> None:
-    """main(the command line); errors (a bad argument, weights or file): one line, exit 2."""
-    gc.freeze()  # torch's millions of objects: no collection walks them again, not even at exit
-    try:
-        main(parser.parse_args())
-    except errors as e:
-        why = f"{parser.prog}: error: {str(e).splitlines()[0]}\n"
-        parser.exit(2, why if int(os.environ.get("RANK", "0")) == 0 else None)  # printed once
-
-
-if __name__ == "__main__":
-    cli(main, get_args_parser())

@@ -1,0 +1,92 @@
+"""The options shared by the command lines and the Python face: keyword arguments checked against
+a command's argparse parser, and a command's main run with one-line errors (exit 2)."""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import gc
+import os
+
+
+class ConfigError(ValueError):
+    """A bad argument or input file, found before any work: one actionable line, exit 2."""
+
+
+def parse_kwargs(
+    parser: argparse.ArgumentParser, kwargs: dict, fixed: dict | None = None, only=None
+) -> argparse.Namespace:
+    """The parser's defaults updated by kwargs, each checked as the command line would check it:
+    TypeError for an unknown option, a missing one or a value of the wrong type, ValueError for a
+    value outside the choices. fixed: values the caller sets (not options); only: the options
+    taken (default: all)."""
+    fixed = fixed or {}
+    actions = {a.dest: a for a in parser._actions if a.dest != "help"}
+    valid = [name for name in only or actions if name not in fixed]
+    unknown = [name for name in kwargs if name not in valid]
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], valid, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        names = ", ".join(map(repr, unknown))
+        raise TypeError(f"unknown option {names}{hint}; the options are: {', '.join(valid)}")
+    given = kwargs | fixed
+    missing = [name for name, a in actions.items() if a.required and name not in given]
+    if missing:
+        raise TypeError(f"missing option(s): {', '.join(map(repr, missing))}")
+    values = {name: a.default for name, a in actions.items()}
+    for name, value in given.items():
+        values[name] = check_value(actions[name], name, value)
+    return argparse.Namespace(**values)
+
+
+def check_value(action: argparse.Action, name: str, value):
+    """value as the command line would have parsed it for action, else TypeError or ValueError."""
+    kind = action.type or str
+    if action.nargs == 0:
+        expected, ok = "True or False", isinstance(value, bool)
+    elif action.nargs == "?":
+        # --resume: True (the newest run), False, or a path
+        expected, ok = "True, False or a path", isinstance(value, (bool, str, os.PathLike))
+    elif action.nargs in ("+", "*"):
+        expected = f"a list of {kind.__name__}"
+        ok = isinstance(value, (list, tuple)) and all(is_kind(v, kind) for v in value)
+        ok = ok and (len(value) > 0 or action.nargs == "*")
+    else:
+        expected = kind.__name__
+        # None: the default of an option that has none (--imgsz: the task's)
+        ok = is_kind(value, kind) or (value is None and action.default is None)
+    if not ok:
+        raise TypeError(f"option {name}={value!r:.60}: expected {expected}")
+    if action.choices and value not in action.choices and value != action.default:
+        choices = ", ".join(map(str, action.choices))
+        raise ValueError(f"option {name}={value!r:.60}: expected one of {choices}")
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if isinstance(value, tuple):
+        return list(value)
+    return value
+
+
+def is_kind(value, kind: type) -> bool:
+    """Whether value is what argparse makes with kind: int (not bool), float (or int), str (or
+    a path)."""
+    if isinstance(value, bool):
+        return False
+    if kind is float:
+        return isinstance(value, (int, float))
+    if kind is str:
+        return isinstance(value, (str, os.PathLike))
+    return isinstance(value, kind)
+
+
+def run_command(main, parser: argparse.ArgumentParser, errors=(ValueError, OSError)) -> None:
+    """main(the command line); errors (a bad argument, weights or file): one line, exit 2."""
+    # torch's millions of objects: no collection walks them again, not even at exit
+    gc.freeze()
+    try:
+        main(parser.parse_args())
+    except errors as e:
+        why = f"{parser.prog}: error: {str(e).splitlines()[0]}\n"
+        # under torchrun every rank fails alike: rank 0 says it once
+        first = int(os.environ.get("RANK", "0")) == 0
+        parser.exit(2, why if first else None)
