@@ -275,6 +275,19 @@ def resumed_args(cli, path: str, ckpt: dict) -> argparse.Namespace:
     return argparse.Namespace(**(stored | own))
 
 
+def restore_training(ckpt: dict, training: dict, args, info) -> tuple[int, tuple]:
+    """Load a checkpoint into the training objects (model, ema, optimizer, scaler) and this rank's
+    random states. Returns (the epoch to start at, best (fitness, epoch))."""
+    try:
+        exact = checkpoint.restore(ckpt, **training, rank=info.rank, world_size=info.world_size)
+    except checkpoint.CheckpointError as e:
+        raise ConfigError(f"--resume: {args.resume}: {e}") from None
+    if not exact:
+        sizes = f"saved with world size {ckpt['rng']['world_size']}, now {info.world_size}"
+        dist.print0(f"warning: {sizes}: random states are not restored (not an exact resume)")
+    return ckpt["epoch"] + 1, (ckpt["best_fitness"], ckpt["best_epoch"])
+
+
 # ---------------------------------------------------------------- callbacks
 EVENTS = ("on_train_epoch_end", "on_fit_epoch_end", "on_train_end")
 
@@ -377,15 +390,8 @@ def fit(args, info, given: Model | None = None, callbacks: dict | None = None) -
     model, criterion, optimizer, scaler, ema = build_training(model, hyp, args, info)
     start, best = 0, (0.0, 0)  # best: (fitness, epoch)
     if ckpt:  # what `checkpoint.training_state` saves at the end of each epoch, below
-        state = (de_parallel(model), ema, optimizer, scaler, info.rank, info.world_size)
-        try:
-            exact = checkpoint.restore(ckpt, *state)
-        except checkpoint.CheckpointError as e:
-            raise ConfigError(f"--resume: {args.resume}: {e}") from None
-        if not exact:
-            sizes = f"saved with world size {ckpt['rng']['world_size']}, now {info.world_size}"
-            dist.print0(f"warning: {sizes}: random states are not restored (not an exact resume)")
-        start, best = ckpt["epoch"] + 1, (ckpt["best_fitness"], ckpt["best_epoch"])
+        training = dict(model=de_parallel(model), ema=ema, optimizer=optimizer, scaler=scaler)
+        start, best = restore_training(ckpt, training, args, info)
         dist.print0(f"Resuming {save_dir} at epoch {start + 1}/{args.epochs}")
     where = f"{info.world_size} rank(s) on {info.device.type}, batch {args.batch_size}"
     dist.print0(f"{task} training: {where}, {args.epochs} epochs, in {save_dir}")
@@ -421,19 +427,25 @@ def fit(args, info, given: Model | None = None, callbacks: dict | None = None) -
             break
     dist.print0(f"{epoch + 1 - start} epochs in {(time.time() - t_start) / 3600:.3f} hours")
     if best[1] != epoch or not metrics:  # best.pt (else last.pt) is not the model validated last
-        path = save_dir / "weights" / "best.pt"
-        path = path if path.is_file() else path.with_name("last.pt")
-        dist.print0(f"Validating {path}")
-        ema.ema.load_state_dict(dist.run_on_main(lambda: checkpoint.load(path)["ema"]))
-        metrics = validator.evaluate(ema.ema, val_loader, plots_dir=save_dir, amp=amp)
+        metrics = validate_saved(ema, val_loader, save_dir, amp)
     dist.print0(validator.format_table(metrics, ema.ema.names) + f"\nResults saved to {save_dir}")
-    trained = de_parallel(model)
+    # the trained model itself (YOLO.train's object) takes the final weights
+    trained = de_parallel(model).to(memory_format=torch.contiguous_format).eval()
     trained.load_state_dict(ema.ema.state_dict())
-    trained = trained.to(memory_format=torch.contiguous_format).eval()
     end = Event("on_train_end", epoch + 1, losses, metrics, save_dir, info.rank)
     run_callbacks(callbacks, end)
     out = dict(save_dir=str(save_dir), data=args.data, epochs=epoch + 1, best_fitness=best[0])
     return out | dict(metrics=metrics, img_s=img_s, model=trained)
+
+
+def validate_saved(ema: ModelEMA, val_loader, save_dir: Path, amp) -> dict:
+    """Load best.pt's (else last.pt's) EMA weights into ema (rank 0 reads the file) and validate."""
+    path = save_dir / "weights" / "best.pt"
+    if not path.is_file():
+        path = path.with_name("last.pt")
+    dist.print0(f"Validating {path}")
+    ema.ema.load_state_dict(dist.run_on_main(lambda: checkpoint.load(path)["ema"]))
+    return validator.evaluate(ema.ema, val_loader, plots_dir=save_dir, amp=amp)
 
 
 def autoanchor(model: Model, train_set, thr: float, args) -> None:
