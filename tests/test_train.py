@@ -2,6 +2,7 @@
 data)."""
 
 import csv
+import itertools
 import math
 import os
 import signal
@@ -383,14 +384,15 @@ def test_resume_continues_exactly(tmp_path, data_dir, monkeypatch):
         trainer.main(args_for(tmp_path / "b", *common))
     run = tmp_path / "b" / "runs" / "exp"
     monkeypatch.setattr(checkpoint, "save", save_then_stop(1))
+    monkeypatch.setattr(trainer, "TRAININGS_STARTED", itertools.count())
     with pytest.raises(KeyboardInterrupt):
         trainer.main(
             trainer.get_args_parser().parse_args(["--resume", str(run / "weights" / "last.pt")])
         )
     monkeypatch.setattr(checkpoint, "save", save)
-    monkeypatch.setenv(
-        "TORCHELASTIC_RESTART_COUNT", "1"
-    )  # the same command again, as torchrun restarts it
+    # the same command again, as torchrun restarts it: a new process, its first training
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    monkeypatch.setattr(trainer, "TRAININGS_STARTED", itertools.count())
     assert Path(trainer.main(args_for(tmp_path / "b", *common))["save_dir"]) == run
 
     a, b = (torch.load(r / "weights" / "last.pt", weights_only=True) for r in (whole, run))
