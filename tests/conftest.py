@@ -2,6 +2,7 @@
 generated datasets (tiny, small_shapes) for fast end-to-end runs."""
 
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -33,9 +34,36 @@ def fixtures_dir() -> Path:
     return need(FIXTURES)
 
 
-@pytest.fixture
-def data_dir() -> Path:
-    return need(DATA)
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory) -> Path:
+    """A writable copy of ../shared/data (17 MB): runs write label caches beside the labels, and
+    the suite never writes under ../shared."""
+    copy = tmp_path_factory.mktemp("shared") / "data"
+    shutil.copytree(need(DATA), copy)
+    for path in copy.rglob("*"):
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    copy.chmod(0o755)
+    return copy
+
+
+def shared_state() -> dict:
+    """Every file under ../shared with its size and modification time (empty when absent)."""
+    files = sorted(p for p in SHARED.rglob("*") if p.is_file()) if SHARED.is_dir() else []
+    return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in files}
+
+
+def pytest_sessionstart(session):
+    session.config.shared_before = shared_state()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The suite fails if it added, changed or removed a file under ../shared."""
+    before, after = session.config.shared_before, shared_state()
+    changed = sorted(set(before.items()) ^ set(after.items()))
+    if changed:
+        names = sorted({name for name, _ in changed})
+        print(f"\nthe suite changed {len(names)} file(s) under ../shared: {names[:5]}")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(scope="session")

@@ -5,6 +5,7 @@ pictures."""
 import json
 import os
 import random
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -571,8 +572,25 @@ def test_real_coco(data_dir, capsys):
         929,
     )
     assert ds.stats["corrupt"] == ds.stats["dropped"] == ds.stats["fixed"] == 0
-    assert "not writable" in capsys.readouterr().out  # the read-only shared data stays untouched
-    assert not (data_dir / "coco128-seg" / "labels" / "train2017.cache").exists()
+    assert (data_dir / "coco128-seg" / "labels" / "train2017.cache").is_file()
+
+
+def test_read_only_labels_are_left_untouched(data_dir, tmp_path, capsys):
+    """Labels in a folder marked read-only get no cache (even as root, who ignores the bits): one
+    warning, and the labels are verified again next time."""
+    root = tmp_path / "coco8"
+    shutil.copytree(data_dir / "coco8", root)
+    labels = root / "labels"
+    for folder in (labels, labels / "train"):
+        folder.chmod(0o555)
+    try:
+        ds = YOLODataset([str(root / "images" / "train")], imgsz=128, nc=80)
+        assert len(ds) == 4 and ds.stats["instances"] == 13
+        assert "not writable" in capsys.readouterr().out
+        assert sorted(p.name for p in labels.iterdir()) == ["train", "val"]
+    finally:
+        for folder in (labels, labels / "train"):
+            folder.chmod(0o755)
 
 
 # ---------------------------------------------------------------- synthetic shapes
