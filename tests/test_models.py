@@ -202,3 +202,35 @@ def test_channels_last_does_not_change_checkpoints(tmp_path):
     x = torch.rand(2, 3, 64, 64)
     with torch.no_grad():
         assert all(torch.equal(u, v) for u, v in zip(loaded(x), model(x)))
+
+
+@pytest.mark.parametrize("cfg", ["yolov5n.yaml", "yolov5n-seg.yaml"])
+def test_head_runs_in_fp32_under_bf16_autocast(cfg):
+    """Under bfloat16 autocast (train.py and val.py --amp on a CPU) the backbone's convs run in
+    bfloat16 but the Detect head's final 1x1 convs (and a Segment head's prototypes) in float32:
+    their outputs' dtypes, read by forward hooks, in train and in eval mode."""
+    model = Model(cfg, nc=2)
+    head, seen = model.head, {}
+
+    def record(name):
+        return lambda module, inputs, output: seen.setdefault(name, []).append(output.dtype)
+
+    model.model[0].conv.register_forward_hook(record("backbone"))
+    model.model[23].cv3.conv.register_forward_hook(record("neck"))  # the head's input at P5
+    for i, conv in enumerate(head.m):
+        conv.register_forward_hook(record(f"m{i}"))
+    if model.task == "segment":
+        head.proto.register_forward_hook(record("proto"))
+        head.proto.cv1.conv.register_forward_hook(record("proto.cv1"))
+    x = torch.rand(2, 3, 64, 64)
+    for mode in ("train", "eval"):
+        seen.clear()
+        model.train(mode == "train")
+        with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+            out = model(x)
+        assert seen.pop("backbone") == seen.pop("neck") == [torch.bfloat16], mode
+        fp32 = [f"m{i}" for i in range(head.nl)] + ["proto", "proto.cv1"] * (head.nm > 0)
+        assert seen == {k: [torch.float32] for k in fp32}, mode
+        maps, protos = out if model.task == "segment" else (out, None)
+        assert all(t.dtype == torch.float32 for t in (maps if mode == "train" else [maps]))
+        assert protos is None or protos.dtype == torch.float32
