@@ -423,3 +423,32 @@ def test_weights_transfer_and_freeze(tmp_path, data_dir, fixtures_dir, capsys):
     frozen = {k for k, p in model.named_parameters() if not p.requires_grad}
     assert frozen and all(int(k.split(".")[1]) < 10 for k in frozen)  # the backbone, layers 0-9
     assert all(p.requires_grad for k, p in model.named_parameters() if int(k.split(".")[1]) >= 10)
+
+
+# ---------------------------------------------------------------- the training step, directly
+def test_forward_loss_feeds_the_model_and_the_loss():
+    """forward_loss (detection): the model gets the uint8 images / 255 (no ImageNet normalisation)
+    under autocast to the amp dtype; the loss runs outside autocast, on float32 head outputs."""
+    torch.manual_seed(0)
+    model = Model("yolov5n.yaml", nc=2).train()
+    images = torch.randint(0, 256, (2, 3, 64, 64), dtype=torch.uint8)
+    targets = torch.tensor([[0, 0, 0.5, 0.5, 0.4, 0.3], [1, 1, 0.3, 0.6, 0.2, 0.5]])
+    seen, loss_fn = {}, YOLOLoss(model, scale_hyp(DEFAULT_HYP, 2, 64))
+
+    def pre_hook(module, inputs):
+        seen["input"], seen["model_autocast"] = inputs[0].clone(), torch.is_autocast_enabled("cpu")
+
+    def criterion(preds, *labels):
+        seen["loss_autocast"] = torch.is_autocast_enabled("cpu")
+        seen["pred_dtypes"] = {p.dtype for p in preds}
+        return loss_fn(preds, *labels)
+
+    model.register_forward_pre_hook(pre_hook)
+    batch = {"images": images, "targets": targets}
+    loss, items = train.forward_loss(model, criterion, batch, torch.device("cpu"), torch.bfloat16)
+    assert torch.equal(seen["input"], images.float() / 255)
+    assert seen["model_autocast"] and not seen["loss_autocast"]
+    assert seen["pred_dtypes"] == {torch.float32} and loss.dtype == torch.float32
+    assert list(items) == ["box", "obj", "cls"] and math.isfinite(loss.item())
+    train.forward_loss(model, criterion, batch, torch.device("cpu"), None)
+    assert not seen["model_autocast"]  # amp None: float32, no autocast
