@@ -452,3 +452,35 @@ def test_forward_loss_feeds_the_model_and_the_loss():
     assert list(items) == ["box", "obj", "cls"] and math.isfinite(loss.item())
     train.forward_loss(model, criterion, batch, torch.device("cpu"), None)
     assert not seen["model_autocast"]  # amp None: float32, no autocast
+
+
+def test_loss_scales_with_the_world_size(tmp_path, monkeypatch):
+    """YOLOLoss's loss is the global batch's summed per-image loss (DDP averages the ranks'
+    gradients): world_size=2 gives exactly twice world_size=1's loss on the same predictions, the
+    items (per-image means) unchanged. build_training gives the criterion info.world_size and the
+    loss gains scale_hyp rescales; its decay is for 64 images a step (batch x accumulate / 64)."""
+    monkeypatch.setattr(train, "DDP", lambda model, device_ids=None: model)  # no process group
+    args = args_for(tmp_path, "--batch-size", "24", "--amp", "off")
+    train.check_args(args, "detect", 2)
+    torch.manual_seed(0)
+    model = Model("yolov5n.yaml", nc=2)
+    built = {}
+    for ws in (1, 2):
+        info = dist.DistInfo(0, ws, ws, torch.device("cpu"))
+        built[ws] = train.build_training(model, DEFAULT_HYP, args, info)
+    one, two = built[1][1], built[2][1]
+    assert (one.world_size, two.world_size) == (1, 2)
+    assert one.hyp == two.hyp == scale_hyp(DEFAULT_HYP, 2, 64, 3)
+    decay = DEFAULT_HYP["weight_decay"] * 24 * 3 / 64  # accumulate round(64 / 24) = 3
+    assert built[2][2].param_groups[2]["weight_decay"] == pytest.approx(decay, rel=1e-12)
+    images = torch.rand(3, 3, 64, 64)
+    targets = torch.tensor(
+        [[0, 0, 0.5, 0.5, 0.4, 0.3], [1, 1, 0.3, 0.6, 0.2, 0.5], [2, 0, 0.7, 0.2, 0.3, 0.3]]
+    )
+    with torch.no_grad():
+        preds = model.train()(images)
+    (loss1, items1), (loss2, items2) = one(preds, targets), two(preds, targets)
+    assert loss1.item() > 0 and torch.equal(loss2, 2 * loss1)
+    assert loss1.shape == (1,) and loss1.item() == (sum(items1.values()) * 3).item()  # x batch
+    assert items1.keys() == items2.keys()
+    assert all(torch.equal(items1[k], items2[k]) for k in items1)
