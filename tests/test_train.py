@@ -484,3 +484,46 @@ def test_loss_scales_with_the_world_size(tmp_path, monkeypatch):
     assert loss1.shape == (1,) and loss1.item() == (sum(items1.values()) * 3).item()  # x batch
     assert items1.keys() == items2.keys()
     assert all(torch.equal(items1[k], items2[k]) for k in items1)
+
+
+def test_epoch_ends_with_a_step(tmp_path, tiny, monkeypatch):
+    """train_one_epoch after warmup (epoch 30 of 40), 6 batches, accumulate 4 (--batch-size 16):
+    steps after batches 4 and 6, the last one forced by the epoch's end (6 is no multiple of 4),
+    so no gradient is pending at the checkpoint and the last batches' gradients are not lost."""
+    data = load_data_config(tiny[tiny.index("--data") + 1])
+    ds = YOLODataset(data["train"], 64, nc=2, verbose=False)
+    batches = list(build_dataloader(ds, 2, 0, shuffle=False)[0])[:6]
+    args = args_for(tmp_path, "--batch-size", "16", "--epochs", "40", "--amp", "off")
+    args.log_every = 100
+    train.check_args(args, "detect", 1)
+    torch.manual_seed(0)
+    info = dist.DistInfo(0, 1, 1, torch.device("cpu"))
+    model, criterion, optimizer, scaler, ema = train.build_training(
+        Model(nc=2), DEFAULT_HYP, args, info
+    )
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    forwards, steps, after = [], [], []
+    real_forward, real_step = train.forward_loss, train.optimizer_step
+
+    def forward(*a):
+        forwards.append(len(forwards) + 1)
+        return real_forward(*a)
+
+    def step(*a):
+        steps.append(len(forwards))  # the batches seen so far
+        real_step(*a)
+        after.append({k: v.clone() for k, v in model.state_dict().items()})
+
+    monkeypatch.setattr(train, "forward_loss", forward)
+    monkeypatch.setattr(train, "optimizer_step", step)
+    losses, _ = train.train_one_epoch(
+        model, criterion, optimizer, scaler, ema, batches, 30, args, DEFAULT_HYP, tmp_path
+    )
+    assert forwards == [1, 2, 3, 4, 5, 6] and steps == [4, 6] and ema.updates == 2
+    assert all(p.grad is None for p in model.parameters())  # none pending
+    final = model.state_dict()
+    assert all(torch.equal(final[k], after[-1][k]) for k in final)
+    weights = [k for k, p in model.named_parameters()]
+    assert not all(torch.equal(after[0][k], after[1][k]) for k in weights)  # moved at batch 6
+    assert not all(torch.equal(start[k], after[0][k]) for k in weights)
+    assert set(losses) == {"box", "obj", "cls"} and all(map(math.isfinite, losses.values()))
