@@ -527,3 +527,29 @@ def test_epoch_ends_with_a_step(tmp_path, tiny, monkeypatch):
     assert not all(torch.equal(after[0][k], after[1][k]) for k in weights)  # moved at batch 6
     assert not all(torch.equal(start[k], after[0][k]) for k in weights)
     assert set(losses) == {"box", "obj", "cls"} and all(map(math.isfinite, losses.values()))
+
+
+def test_resume_restores_the_grad_scaler_on_a_cpu(tmp_path):
+    """checkpoint.restore loads a saved GradScaler state into the fresh scaler: its scale and
+    growth tracker as saved (1024, 3), not a fresh scaler's (65536, 0). A CPU scaler
+    (torch.amp.GradScaler("cpu"), enabled) stands in for train.py's CUDA fp16 one, which only a GPU
+    run enables; an empty saved state (no scaler) leaves the fresh scaler as it is."""
+    torch.manual_seed(0)
+    args, hyp, rngs = args_for(tmp_path), train.load_hyp(""), [checkpoint.rng_state()]
+    model = Model("yolov5n.yaml", nc=1)  # saved, then restored into (only the scaler is new)
+    ema, opt = train.ModelEMA(model), train.build_optimizer(model, 0.01, 0.9, 0.0)
+    saved = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=7)
+    saved.load_state_dict(saved.state_dict() | {"_growth_tracker": 3})
+    want = saved.state_dict()
+    assert want["scale"] == 1024.0 and want["_growth_tracker"] == 3 and saved.is_enabled()
+    state = checkpoint.training_state(model, ema, opt, saved, 0, (0.0, 0), args, hyp, rngs)
+    checkpoint.save(state, tmp_path / "last.pt")
+    ckpt = checkpoint.load(tmp_path / "last.pt")
+    assert ckpt["scaler"] == want
+    fresh = torch.amp.GradScaler("cpu")
+    assert fresh.state_dict()["scale"] == 65536.0 and fresh.state_dict()["_growth_tracker"] == 0
+    assert checkpoint.restore(ckpt, model, ema, opt, fresh, 0, 1) is True
+    assert fresh.state_dict() == want and fresh.get_scale() == 1024.0
+    untouched = torch.amp.GradScaler("cpu")
+    assert checkpoint.restore(ckpt | {"scaler": {}}, model, ema, opt, untouched, 0, 1) is True
+    assert untouched.state_dict() == torch.amp.GradScaler("cpu").state_dict()
