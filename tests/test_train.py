@@ -553,3 +553,24 @@ def test_resume_restores_the_grad_scaler_on_a_cpu(tmp_path):
     untouched = torch.amp.GradScaler("cpu")
     assert checkpoint.restore(ckpt | {"scaler": {}}, model, ema, opt, untouched, 0, 1) is True
     assert untouched.state_dict() == torch.amp.GradScaler("cpu").state_dict()
+
+
+def test_fit_shuffles_each_epoch_by_the_seeded_sampler(tmp_path, tiny, monkeypatch):
+    """fit draws each epoch's training images in the order of the EpochSampler seeded with --seed
+    and the epoch: torch.randperm(32) seeded with seed + epoch, a new order every epoch."""
+    orders, real = [], train.forward_loss
+
+    def forward(model, criterion, batch, device, amp):
+        orders.append(batch["indices"].tolist())
+        return real(model, criterion, batch, device, amp)
+
+    monkeypatch.setattr(train, "forward_loss", forward)
+    flags = ["--epochs", "2", "--seed", "3", "--noval", "--nosave", "--amp", "off"]
+    out = train.main(
+        train.get_args_parser().parse_args([*tiny, *flags, "--project", str(tmp_path)])
+    )
+    assert out["epochs"] == 2 and len(orders) == 8  # 32 images, batch 8: 4 batches an epoch
+    epochs = [sum(orders[4 * e : 4 * e + 4], []) for e in range(2)]
+    for e, order in enumerate(epochs):
+        assert order == torch.randperm(32, generator=torch.Generator().manual_seed(3 + e)).tolist()
+    assert epochs[0] != epochs[1]
