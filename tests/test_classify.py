@@ -13,6 +13,7 @@ from PIL import Image
 from yolo_min import shapes
 from yolo_min.datasets import ClassifyDataset, build_dataloader, load_data_config
 from yolo_min.labels import DataError
+from yolo_min.losses import ClassifyLoss
 from yolo_min.metrics import class_records, merge_records, metric_names, summarize_classes
 from yolo_min.models import Classify, Model
 from yolo_min.safe_load import load_model
@@ -226,6 +227,95 @@ def test_shapes_cls(tmp_path, monkeypatch):
 
 
 # ---------------------------------------------------------------- training end to end
+def test_classify_recipe_as_train_builds_it(tmp_path):
+    """train.py's classification setup as fit builds it (prepare, then build_training): the recipe
+    is hyp.cls.yaml's; the criterion is the cross-entropy with its label smoothing (a hand-computed
+    case, not the unsmoothed value); Adam at its lr0 and beta1, its weight decay on weights only,
+    unscaled; the training loader is the EpochSampler seeded with --seed: each epoch's order is
+    torch.randperm seeded with seed + epoch, a new one every epoch."""
+    import yaml
+
+    import train
+    from yolo_min.datasets import EpochSampler
+    from yolo_min.dist import DistInfo
+    from yolo_min.models import CFG_DIR
+
+    recipe = yaml.safe_load((CFG_DIR / "hyp.cls.yaml").read_text())
+    eps = recipe["label_smoothing"]
+    assert eps == 0.1
+    root = make_folder(tmp_path / "data", classes=("a", "b", "c"), n=4)  # 12 training images
+    flags = "--cfg yolov5n-cls.yaml --imgsz 32 --batch-size 4 --workers 0 --seed 3 --amp off"
+    argv = [*flags.split(), "--data", str(root), "--project", str(tmp_path / "runs")]
+    info = DistInfo(0, 1, 1, torch.device("cpu"))
+    args, ckpt, hyp, model, loader, _, _ = train.prepare(
+        train.get_args_parser().parse_args(argv), info
+    )
+    assert ckpt is None and model.task == "classify" and hyp == recipe
+    _, criterion, optimizer, _, _ = train.build_training(model, hyp, args, info)
+
+    logits = torch.tensor([[2.0, 0.0, -1.0], [0.5, 1.5, 0.0], [-1.0, 1.0, 3.0]])
+    targets = torch.tensor([[0, 0], [1, 0], [2, 1]])  # [image, cls]
+
+    def by_hand(eps):  # mean over images of -(1 - eps) log p_y - eps / nc * sum_k log p_k
+        total = 0.0
+        for row, y in zip(logits.tolist(), (0, 0, 1)):
+            log_p = [v - np.log(sum(np.exp(row))) for v in row]
+            total += -(1 - eps) * log_p[y] - eps / 3 * sum(log_p)
+        return total / 3
+
+    loss, items = criterion(logits, targets)
+    assert loss.item() == pytest.approx(by_hand(eps), rel=1e-6)
+    assert abs(by_hand(eps) - by_hand(0.0)) > 0.04  # the case tells smoothing from none
+    assert list(items) == ["cls"] and items["cls"].item() == loss.item()
+
+    assert type(optimizer) is torch.optim.Adam
+    assert all(
+        g["lr"] == recipe["lr0"] and g["betas"] == (0.9, 0.999) for g in optimizer.param_groups
+    )
+    assert [g["weight_decay"] for g in optimizer.param_groups] == [0.0, 0.0, recipe["weight_decay"]]
+
+    sampler = loader.sampler
+    assert type(sampler) is EpochSampler and sampler.shuffle and sampler.seed == 3
+    orders = []
+    for epoch in (0, 1):
+        sampler.set_epoch(epoch)
+        orders.append([i for b in loader for i in b["indices"].tolist()])
+        perm = torch.randperm(12, generator=torch.Generator().manual_seed(3 + epoch)).tolist()
+        assert orders[-1] == perm, epoch
+    assert orders[0] != orders[1]
+
+
+def test_forward_loss_normalises_classifier_input():
+    """train.forward_loss feeds a classifier the uint8 RGB images / 255 standardised with the
+    ImageNet mean (0.485, 0.456, 0.406) and std (0.229, 0.224, 0.225), channel by channel in RGB
+    order, under autocast (bf16) for the model and float32 logits for the loss."""
+    import train
+
+    torch.manual_seed(0)
+    model = Model("yolov5n-cls.yaml", nc=3).train()
+    images = torch.randint(0, 256, (2, 3, 32, 32), dtype=torch.uint8)
+    images[:, 0], images[:, 2] = 250, 5  # red and blue far apart: a BGR swap shows
+    seen = {}
+
+    def pre_hook(module, inputs):
+        seen["input"], seen["autocast"] = inputs[0].clone(), torch.is_autocast_enabled("cpu")
+
+    model.register_forward_pre_hook(pre_hook)
+    criterion = ClassifyLoss()
+
+    def loss_fn(logits, targets):
+        seen["logits"] = logits.dtype
+        return criterion(logits, targets)
+
+    batch = {"images": images, "targets": torch.tensor([[0, 2], [1, 0]])}
+    loss, _ = train.forward_loss(model, loss_fn, batch, torch.device("cpu"), torch.bfloat16)
+    mean = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1)
+    std = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1)
+    torch.testing.assert_close(seen["input"], (images.float() / 255 - mean) / std)
+    assert seen["input"].dtype == torch.float32 and seen["autocast"]
+    assert seen["logits"] == torch.bfloat16 and loss.dtype == torch.float32
+
+
 @pytest.mark.slow
 def test_classifier_learns_and_resumes_exactly(tmp_path, monkeypatch):
     """train.py on a small shapes-cls folder: top-1 well above chance (1/3) in 10 epochs, the
