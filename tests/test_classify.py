@@ -235,7 +235,7 @@ def test_classify_recipe_as_train_builds_it(tmp_path):
     torch.randperm seeded with seed + epoch, a new one every epoch."""
     import yaml
 
-    import train
+    from yolo_min import trainer
     from yolo_min.datasets import EpochSampler
     from yolo_min.dist import DistInfo
     from yolo_min.models import CFG_DIR
@@ -247,11 +247,11 @@ def test_classify_recipe_as_train_builds_it(tmp_path):
     flags = "--cfg yolov5n-cls.yaml --imgsz 32 --batch-size 4 --workers 0 --seed 3 --amp off"
     argv = [*flags.split(), "--data", str(root), "--project", str(tmp_path / "runs")]
     info = DistInfo(0, 1, 1, torch.device("cpu"))
-    args, ckpt, hyp, model, loader, _, _ = train.prepare(
-        train.get_args_parser().parse_args(argv), info
+    args, ckpt, hyp, model, loader, _, _ = trainer.prepare(
+        trainer.get_args_parser().parse_args(argv), info
     )
     assert ckpt is None and model.task == "classify" and hyp == recipe
-    _, criterion, optimizer, _, _ = train.build_training(model, hyp, args, info)
+    _, criterion, optimizer, _, _ = trainer.build_training(model, hyp, args, info)
 
     logits = torch.tensor([[2.0, 0.0, -1.0], [0.5, 1.5, 0.0], [-1.0, 1.0, 3.0]])
     targets = torch.tensor([[0, 0], [1, 0], [2, 1]])  # [image, cls]
@@ -289,7 +289,7 @@ def test_forward_loss_normalises_classifier_input():
     """train.forward_loss feeds a classifier the uint8 RGB images / 255 standardised with the
     ImageNet mean (0.485, 0.456, 0.406) and std (0.229, 0.224, 0.225), channel by channel in RGB
     order, under autocast (bf16) for the model and float32 logits for the loss."""
-    import train
+    from yolo_min import trainer
 
     torch.manual_seed(0)
     model = Model("yolov5n-cls.yaml", nc=3).train()
@@ -308,7 +308,7 @@ def test_forward_loss_normalises_classifier_input():
         return criterion(logits, targets)
 
     batch = {"images": images, "targets": torch.tensor([[0, 2], [1, 0]])}
-    loss, _ = train.forward_loss(model, loss_fn, batch, torch.device("cpu"), torch.bfloat16)
+    loss, _ = trainer.forward_loss(model, loss_fn, batch, torch.device("cpu"), torch.bfloat16)
     mean = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1)
     std = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1)
     torch.testing.assert_close(seen["input"], (images.float() / 255 - mean) / std)

@@ -445,12 +445,12 @@ def test_forward_loss_feeds_the_model_and_the_loss():
 
     model.register_forward_pre_hook(pre_hook)
     batch = {"images": images, "targets": targets}
-    loss, items = train.forward_loss(model, criterion, batch, torch.device("cpu"), torch.bfloat16)
+    loss, items = trainer.forward_loss(model, criterion, batch, torch.device("cpu"), torch.bfloat16)
     assert torch.equal(seen["input"], images.float() / 255)
     assert seen["model_autocast"] and not seen["loss_autocast"]
     assert seen["pred_dtypes"] == {torch.float32} and loss.dtype == torch.float32
     assert list(items) == ["box", "obj", "cls"] and math.isfinite(loss.item())
-    train.forward_loss(model, criterion, batch, torch.device("cpu"), None)
+    trainer.forward_loss(model, criterion, batch, torch.device("cpu"), None)
     assert not seen["model_autocast"]  # amp None: float32, no autocast
 
 
@@ -459,15 +459,15 @@ def test_loss_scales_with_the_world_size(tmp_path, monkeypatch):
     gradients): world_size=2 gives exactly twice world_size=1's loss on the same predictions, the
     items (per-image means) unchanged. build_training gives the criterion info.world_size and the
     loss gains scale_hyp rescales; its decay is for 64 images a step (batch x accumulate / 64)."""
-    monkeypatch.setattr(train, "DDP", lambda model, device_ids=None: model)  # no process group
+    monkeypatch.setattr(trainer, "DDP", lambda model, device_ids=None: model)  # no process group
     args = args_for(tmp_path, "--batch-size", "24", "--amp", "off")
-    train.check_args(args, "detect", 2)
+    trainer.check_args(args, "detect", 2)
     torch.manual_seed(0)
     model = Model("yolov5n.yaml", nc=2)
     built = {}
     for ws in (1, 2):
         info = dist.DistInfo(0, ws, ws, torch.device("cpu"))
-        built[ws] = train.build_training(model, DEFAULT_HYP, args, info)
+        built[ws] = trainer.build_training(model, DEFAULT_HYP, args, info)
     one, two = built[1][1], built[2][1]
     assert (one.world_size, two.world_size) == (1, 2)
     assert one.hyp == two.hyp == scale_hyp(DEFAULT_HYP, 2, 64, 3)
@@ -495,15 +495,15 @@ def test_epoch_ends_with_a_step(tmp_path, tiny, monkeypatch):
     batches = list(build_dataloader(ds, 2, 0, shuffle=False)[0])[:6]
     args = args_for(tmp_path, "--batch-size", "16", "--epochs", "40", "--amp", "off")
     args.log_every = 100
-    train.check_args(args, "detect", 1)
+    trainer.check_args(args, "detect", 1)
     torch.manual_seed(0)
     info = dist.DistInfo(0, 1, 1, torch.device("cpu"))
-    model, criterion, optimizer, scaler, ema = train.build_training(
+    model, criterion, optimizer, scaler, ema = trainer.build_training(
         Model(nc=2), DEFAULT_HYP, args, info
     )
     start = {k: v.clone() for k, v in model.state_dict().items()}
     forwards, steps, after = [], [], []
-    real_forward, real_step = train.forward_loss, train.optimizer_step
+    real_forward, real_step = trainer.forward_loss, trainer.optimizer_step
 
     def forward(*a):
         forwards.append(len(forwards) + 1)
@@ -514,9 +514,9 @@ def test_epoch_ends_with_a_step(tmp_path, tiny, monkeypatch):
         real_step(*a)
         after.append({k: v.clone() for k, v in model.state_dict().items()})
 
-    monkeypatch.setattr(train, "forward_loss", forward)
-    monkeypatch.setattr(train, "optimizer_step", step)
-    losses, _ = train.train_one_epoch(
+    monkeypatch.setattr(trainer, "forward_loss", forward)
+    monkeypatch.setattr(trainer, "optimizer_step", step)
+    losses, _ = trainer.train_one_epoch(
         model, criterion, optimizer, scaler, ema, batches, 30, args, DEFAULT_HYP, tmp_path
     )
     assert forwards == [1, 2, 3, 4, 5, 6] and steps == [4, 6] and ema.updates == 2
@@ -535,9 +535,9 @@ def test_resume_restores_the_grad_scaler_on_a_cpu(tmp_path):
     (torch.amp.GradScaler("cpu"), enabled) stands in for train.py's CUDA fp16 one, which only a GPU
     run enables; an empty saved state (no scaler) leaves the fresh scaler as it is."""
     torch.manual_seed(0)
-    args, hyp, rngs = args_for(tmp_path), train.load_hyp(""), [checkpoint.rng_state()]
+    args, hyp, rngs = args_for(tmp_path), trainer.load_hyp(""), [checkpoint.rng_state()]
     model = Model("yolov5n.yaml", nc=1)  # saved, then restored into (only the scaler is new)
-    ema, opt = train.ModelEMA(model), train.build_optimizer(model, 0.01, 0.9, 0.0)
+    ema, opt = trainer.ModelEMA(model), trainer.build_optimizer(model, 0.01, 0.9, 0.0)
     saved = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=7)
     saved.load_state_dict(saved.state_dict() | {"_growth_tracker": 3})
     want = saved.state_dict()
@@ -558,16 +558,16 @@ def test_resume_restores_the_grad_scaler_on_a_cpu(tmp_path):
 def test_fit_shuffles_each_epoch_by_the_seeded_sampler(tmp_path, tiny, monkeypatch):
     """fit draws each epoch's training images in the order of the EpochSampler seeded with --seed
     and the epoch: torch.randperm(32) seeded with seed + epoch, a new order every epoch."""
-    orders, real = [], train.forward_loss
+    orders, real = [], trainer.forward_loss
 
     def forward(model, criterion, batch, device, amp):
         orders.append(batch["indices"].tolist())
         return real(model, criterion, batch, device, amp)
 
-    monkeypatch.setattr(train, "forward_loss", forward)
+    monkeypatch.setattr(trainer, "forward_loss", forward)
     flags = ["--epochs", "2", "--seed", "3", "--noval", "--nosave", "--amp", "off"]
-    out = train.main(
-        train.get_args_parser().parse_args([*tiny, *flags, "--project", str(tmp_path)])
+    out = trainer.main(
+        trainer.get_args_parser().parse_args([*tiny, *flags, "--project", str(tmp_path)])
     )
     assert out["epochs"] == 2 and len(orders) == 8  # 32 images, batch 8: 4 batches an epoch
     epochs = [sum(orders[4 * e : 4 * e + 4], []) for e in range(2)]
