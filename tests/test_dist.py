@@ -2,6 +2,7 @@
 loopback, and the DDP step equivalence. The project code itself never starts a process."""
 
 import csv
+import json
 import os
 import re
 import subprocess
@@ -22,6 +23,7 @@ from yolo_min.validator import evaluate  # noqa: E402
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 TWO_NODE_PORT = "29517"  # fixed: the two launchers must agree on it
 AMP_TOL = 0.05  # bf16: max weight difference / max weight movement (classify measured 0.022)
+HELPERS_TIMEOUT = 60  # s: tests/dist_helpers.py takes 7 s on 2 cores
 ARGS = ["--imgsz", "64", "--batch-size", "16", "--workers", "0", "--log-every", "4"]
 
 
@@ -76,6 +78,71 @@ def test_two_ranks_train_and_only_rank0_writes(shapes_runs):
     a, b = (torch.load(r / "weights" / "last.pt", weights_only=True) for r in (one, two))
     assert a.keys() == b.keys() and a["rng"]["world_size"] == 1 and b["rng"]["world_size"] == 2
     assert len(b["rng"]["ranks"]) == 2
+
+
+@pytest.mark.slow
+def test_collective_helpers_on_two_ranks(tmp_path):
+    """tests/dist_helpers.py: each helper of yolo_min.dist on 2 ranks, rank-dependent values."""
+    cmd = [*TORCHRUN, "--standalone", "--nproc_per_node", "2", "tests/dist_helpers.py"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    with subprocess.Popen([*cmd, str(tmp_path)], cwd=ROOT, env=env, **pipes) as p:
+        try:
+            stdout, stderr = p.communicate(timeout=HELPERS_TIMEOUT)
+        except subprocess.TimeoutExpired:  # torchrun passes SIGTERM on to its ranks
+            p.terminate()
+            stdout, stderr = p.communicate(timeout=60)
+            pytest.fail(f"a helper left a rank waiting ({HELPERS_TIMEOUT} s):\n{stderr[-3000:]}")
+    assert p.returncode == 0, stderr[-3000:]
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert [r0["info"], r1["info"]] == [[0, 2, 2, "cpu"], [1, 2, 2, "cpu"]]
+    assert [r0["is_main"], r1["is_main"]] == [True, False]
+    # the mean of [1, 10] and [2, 20] on both ranks; the input left as it was
+    assert r0["reduce_mean"] == r1["reduce_mean"] == [1.5, 15.0]
+    assert [r0["reduce_mean_input"], r1["reduce_mean_input"]] == [[1.0, 10.0], [2.0, 20.0]]
+    assert r0["gather"] == r1["gather"] == [{"rank": 0, "name": "r0"}, {"rank": 1, "name": "r1"}]
+    assert r0["broadcast"] == r1["broadcast"] == [[0.0] * 3, [0, 1, 2, 3]]  # rank 0's, in place
+    # fn ran on rank 0 only, once per call; its result and its ValueError reach rank 1
+    assert r0["run_on_main"] == r1["run_on_main"] == {"sum": 5, "by": 0}
+    assert [r0["calls"], r1["calls"]] == [2, 0]
+    assert r0["raised"] == r1["raised"] == "bad input seen by rank 0"
+    assert r1["barrier_saw_flag"], "rank 1 left the barrier before rank 0 reached it"
+    assert r1["main_first_saw_flag"], "main_first: rank 1's body ran before rank 0's had ended"
+    assert r0["main_first_raised"] == "body failed on rank 0" and "main_first_raised" not in r1
+    assert r1["main_first_entered"] and r0["after"] == r1["after"] == [0, 1]
+    assert stdout.count("PRINT0") == 1 and "PRINT0 from rank 0" in stdout
+
+
+def test_collective_helpers_in_one_process(monkeypatch, capsys):
+    """Without torchrun each helper is the identity or a no-op, and fn runs once, here."""
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    assert not torch.distributed.is_initialized()
+    info = dist.setup("cpu")
+    assert tuple(info) == (0, 1, 1, torch.device("cpu")) and dist.is_main()
+    x = torch.tensor([1.0, 10.0])
+    y = dist.reduce_mean(x)
+    assert torch.equal(y, x) and y.data_ptr() != x.data_ptr()  # an equal copy
+    obj = {"a": [1]}
+    assert dist.all_gather_object(obj) == [obj]
+    a = torch.arange(3.0)
+    dist.broadcast_tensors({"a": a}.values())
+    assert a.tolist() == [0.0, 1.0, 2.0]
+    calls = []
+    assert dist.run_on_main(lambda u: calls.append(u) or u + 1, 1) == 2 and calls == [1]
+
+    def bad():
+        raise ValueError("bad")
+
+    with pytest.raises(ValueError, match="^bad$"):
+        dist.run_on_main(bad)
+    entered = []
+    with dist.main_first():
+        entered.append(1)
+    dist.barrier()
+    dist.print0("PRINT0", "once")
+    assert entered == [1] and capsys.readouterr().out == "PRINT0 once\n"
+    assert not torch.distributed.is_initialized()
 
 
 @pytest.mark.slow
