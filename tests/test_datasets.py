@@ -29,7 +29,7 @@ from yolo_min.datasets import (
     shard_batches,
 )
 from yolo_min.labels import parse_labels
-from yolo_min.plots import draw_batch
+from yolo_min.plots import draw_batch, draw_detections
 
 CFG_DIR = Path(yolo_min.__file__).parent / "cfg"
 HYP = yaml.safe_load((CFG_DIR / "hyp.scratch-low.yaml").read_text())  # the recipe train.py uses
@@ -640,3 +640,21 @@ def test_draw_batch(tmp_path):
     preds = [torch.tensor([[2.0, 2, 30, 30, 0.9, 0]]) for _ in range(4)]
     pm = [torch.ones(1, 16, 16, dtype=torch.bool) for _ in range(4)]
     assert draw_batch(b["images"], masks=pm, preds=preds, fname=tmp_path / "pred.jpg").exists()
+
+
+def test_label_text_scales_with_the_image():
+    """A box's label tab (its colour, above the box) is 3.5% of the image's mean side, at least
+    8 px: small on a 128 px tile, larger on a 640 px photo; the text inside is white."""
+    heights = {}
+    for size in (128, 640):
+        image = torch.full((3, size, size), 40, dtype=torch.uint8)
+        box = torch.tensor([[0.2, 0.4, 0.6, 0.8]]) * size
+        out = draw_detections(image, box, [0], [0.91], ["person"], width=2)
+        # PALETTE[0] is #FF3838: the tab's rows are the rows above the box holding that colour
+        red = (out[0] == 255) & (out[1] == 0x38) & (out[2] == 0x38)
+        rows = red[: round(0.4 * size)].any(1).nonzero().flatten()
+        heights[size] = round(0.4 * size) - rows.min().item()
+        tab = out[:, rows.min() : round(0.4 * size), round(0.2 * size) :]
+        assert (tab >= 200).all(0).any()  # white text (antialiased)
+    assert 8 <= heights[128] <= 12
+    assert 20 <= heights[640] <= 27
