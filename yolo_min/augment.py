@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections import namedtuple
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -15,150 +15,370 @@ from PIL import Image, ImageChops, ImageDraw
 from .ops import box_corners, xywh2xyxy
 
 FILL = (114, 114, 114)
-NPTS = 1000  # polygons are resampled to this many points before clipping (as yolov5 does)
-# One source image on the canvas: canvas = r * original_pixel + (ox, oy), visible in clip (x0, y0,
-# x1, y1) canvas pixels
-Piece = namedtuple("Piece", "index r ox oy clip")
+# Polygons are resampled to this many points before clipping, as yolov5 does.
+NPTS = 1000
+
+
+class Piece(NamedTuple):
+    """One source image on the canvas: canvas px = r * original px + (ox, oy), visible in clip
+    (x0, y0, x1, y1) canvas px."""
+
+    index: int
+    r: float
+    ox: float
+    oy: float
+    clip: tuple
 
 
 def affine_matrix(in_wh: tuple, out_wh: tuple, hyp: dict) -> tuple[np.ndarray, float]:
     """yolov5's random T @ S @ R @ P @ C -> (3x3: canvas (in_wh) to output (out_wh) px, scale)."""
-    p, deg, sh, tr = hyp["perspective"], hyp["degrees"], hyp["shear"], hyp["translate"]
-    C, P, S, T = np.eye(3), np.eye(3), np.eye(3), np.eye(3)
-    C[0, 2], C[1, 2] = -in_wh[0] / 2, -in_wh[1] / 2  # canvas centre to the origin
-    P[2, 0], P[2, 1] = random.uniform(-p, p), random.uniform(-p, p)
-    a = math.radians(random.uniform(-deg, deg))
-    s = random.uniform(1 - hyp["scale"], 1 + hyp["scale"])
-    c, n = s * math.cos(a), s * math.sin(a)
-    R = np.array([[c, n, 0], [-n, c, 0], [0, 0, 1]])
-    S[0, 1], S[1, 0] = (math.tan(math.radians(random.uniform(-sh, sh))) for _ in range(2))
-    T[0, 2], T[1, 2] = (random.uniform(0.5 - tr, 0.5 + tr) * size for size in out_wh)
-    return T @ S @ R @ P @ C, s
+    in_width, in_height = in_wh
+    out_width, out_height = out_wh
+    # C moves the canvas centre to the origin.
+    C = np.eye(3)
+    C[0, 2] = -in_width / 2
+    C[1, 2] = -in_height / 2
+    perspective = hyp["perspective"]
+    P = np.eye(3)
+    P[2, 0] = random.uniform(-perspective, perspective)
+    P[2, 1] = random.uniform(-perspective, perspective)
+    # R rotates and scales.
+    degrees = hyp["degrees"]
+    angle = math.radians(random.uniform(-degrees, degrees))
+    scale = random.uniform(1 - hyp["scale"], 1 + hyp["scale"])
+    cos = scale * math.cos(angle)
+    sin = scale * math.sin(angle)
+    R = np.eye(3)
+    R[0, 0] = cos
+    R[0, 1] = sin
+    R[1, 0] = -sin
+    R[1, 1] = cos
+    shear = hyp["shear"]
+    shear_x = random.uniform(-shear, shear)
+    shear_y = random.uniform(-shear, shear)
+    S = np.eye(3)
+    S[0, 1] = math.tan(math.radians(shear_x))
+    S[1, 0] = math.tan(math.radians(shear_y))
+    # T moves the centre to a random point near the output's centre.
+    low = 0.5 - hyp["translate"]
+    high = 0.5 + hyp["translate"]
+    T = np.eye(3)
+    T[0, 2] = random.uniform(low, high) * out_width
+    T[1, 2] = random.uniform(low, high) * out_height
+    return T @ S @ R @ P @ C, scale
 
 
-def _paste(out: torch.Tensor, src: torch.Tensor, ax, bx, ay, by, rect: tuple) -> tuple:
-    """Resample src (h,w,3) by x' = ax*x + bx, y' = ay*y + by into out[:, Y0:Y1, X0:X1] (only the
-    needed crop) -> (dx, dy): the drawn pixels are the exact mapping shifted by |d| <= 0.5 px."""
-    X0, Y0, X1, Y1 = rect
-    hs, ws = src.shape[:2]
-    c0, c1 = max(math.floor((X0 - bx) / ax) - 1, 0), min(math.ceil((X1 - bx) / ax) + 1, ws)
-    r0, r1 = max(math.floor((Y0 - by) / ay) - 1, 0), min(math.ceil((Y1 - by) / ay) + 1, hs)
-    if c1 <= c0 or r1 <= r0:
+def _paste(
+    out: torch.Tensor,
+    src: torch.Tensor,
+    scale: tuple,
+    offset: tuple,
+    rect: tuple,
+) -> tuple:
+    """Resample src (h,w,3) by x' = scale_x * x + offset_x (and so for y) into out[:, y0:y1, x0:x1]
+    of rect (x0, y0, x1, y1), only the needed crop -> (dx, dy): the drawn pixels are the exact
+    mapping shifted by |d| <= 0.5 px."""
+    left, top, right, bottom = rect
+    scale_x, scale_y = scale
+    offset_x, offset_y = offset
+    src_height, src_width = src.shape[:2]
+    # rect in source px.
+    src_left = (left - offset_x) / scale_x
+    src_right = (right - offset_x) / scale_x
+    src_top = (top - offset_y) / scale_y
+    src_bottom = (bottom - offset_y) / scale_y
+    # The source columns and rows that land in rect, and one more on each side for the filter.
+    col0 = max(math.floor(src_left) - 1, 0)
+    col1 = min(math.ceil(src_right) + 1, src_width)
+    row0 = max(math.floor(src_top) - 1, 0)
+    row1 = min(math.ceil(src_bottom) + 1, src_height)
+    if col1 <= col0 or row1 <= row0:
         return 0.0, 0.0
-    y = src[r0:r1, c0:c1].permute(2, 0, 1)  # (3,h,w) channels-last view
-    if ax != 1 or ay != 1:
-        kw = dict(mode="bilinear", antialias=True, recompute_scale_factor=False)
-        y = F.interpolate(y[None], scale_factor=(ay, ax), **kw)[0]
-    px, py = ax * c0 + bx, ay * r0 + by  # exact output position of the crop's corner
-    P, Q = round(px), round(py)
-    xa, ya, xb, yb = max(X0, P), max(Y0, Q), min(X1, P + y.shape[2]), min(Y1, Q + y.shape[1])
-    if xb > xa and yb > ya:
-        out[:, ya:yb, xa:xb] = y[:, ya - Q : yb - Q, xa - P : xb - P]
-    return P - px, Q - py
+    # A (3,h,w) view of the channels-last crop.
+    crop = src[row0:row1, col0:col1].permute(2, 0, 1)
+    if scale_x != 1 or scale_y != 1:
+        crop = F.interpolate(
+            crop[None],
+            scale_factor=(scale_y, scale_x),
+            mode="bilinear",
+            antialias=True,
+            recompute_scale_factor=False,
+        )[0]
+    # The exact output position of the crop's corner, and the pixel it is drawn at.
+    exact_x = scale_x * col0 + offset_x
+    exact_y = scale_y * row0 + offset_y
+    corner_x = round(exact_x)
+    corner_y = round(exact_y)
+    # The part of the drawn crop inside rect.
+    x0 = max(left, corner_x)
+    y0 = max(top, corner_y)
+    x1 = min(right, corner_x + crop.shape[2])
+    y1 = min(bottom, corner_y + crop.shape[1])
+    if x1 > x0 and y1 > y0:
+        part = crop[:, y0 - corner_y : y1 - corner_y]
+        part = part[:, :, x0 - corner_x : x1 - corner_x]
+        out[:, y0:y1, x0:x1] = part
+    return corner_x - exact_x, corner_y - exact_y
 
 
 def render(pieces: list[Piece], M: np.ndarray, out_wh: tuple, load) -> tuple:
     """Pieces through canvas->output matrix M on grey uint8 (3,H,W) of size out_wh -> (image, per
     piece its pixels' (dx, dy) canvas shift). Scale+shift M: sources load()ed; else PIL warps."""
-    if M[0, 1] or M[1, 0] or M[2, 0] or M[2, 1]:
-        size = math.ceil(max(p.clip[2] for p in pieces)), math.ceil(max(p.clip[3] for p in pieces))
-        canvas, shifts = render(pieces, np.eye(3), size, load)
-        Mi = np.linalg.inv(M)
-        coefs = tuple((Mi / Mi[2, 2]).ravel()[:8])  # an affine M gives PIL's AFFINE result too
-        im = Image.fromarray(canvas.permute(1, 2, 0).numpy())
-        im = im.transform(out_wh, Image.PERSPECTIVE, coefs, Image.BILINEAR, fillcolor=FILL)
-        return torch.from_numpy(np.array(im)).permute(2, 0, 1).contiguous(), shifts
-    out, shifts = torch.full((3, out_wh[1], out_wh[0]), FILL[0], dtype=torch.uint8), []
-    # canvas -> output pixels: sx * x + bx, sy * y + by
-    sx, bx, sy, by = M[0, 0], M[0, 2], M[1, 1], M[1, 2]
-    for p in pieces:
-        rect = np.array(p.clip) * (sx, sy, sx, sy) + (bx, by, bx, by)
-        X0, Y0, X1, Y1 = (round(v) for v in rect.clip(0, out_wh * 2))  # out_wh * 2: W, H, W, H
-        if X1 <= X0 or Y1 <= Y0:
+    rotates_or_shears = M[0, 1] or M[1, 0]
+    projects = M[2, 0] or M[2, 1]
+    if rotates_or_shears or projects:
+        return _render_warped(pieces, M, out_wh, load)
+    width, height = out_wh
+    size = (3, height, width)
+    out = torch.full(size, FILL[0], dtype=torch.uint8)
+    shifts = []
+    # M maps canvas px to output px: x' = scale_x * x + shift_x, y' = scale_y * y + shift_y.
+    scale_x = M[0, 0]
+    shift_x = M[0, 2]
+    scale_y = M[1, 1]
+    shift_y = M[1, 2]
+    for piece in pieces:
+        rect = np.array(piece.clip) * (scale_x, scale_y, scale_x, scale_y)
+        rect = rect + (shift_x, shift_y, shift_x, shift_y)
+        rect = rect.clip(0, (width, height, width, height))
+        left, top, right, bottom = (round(v) for v in rect)
+        if right <= left or bottom <= top:
             shifts.append((0.0, 0.0))
             continue
-        ax, ay = sx * p.r, sy * p.r  # original pixels -> output pixels
-        im, (kx, ky) = load(p.index, min(max(ax, ay), p.r))
-        dx, dy = _paste(out, im, ax / kx, sx * p.ox + bx, ay / ky, sy * p.oy + by, (X0, Y0, X1, Y1))
-        shifts.append((dx / sx, dy / sy))
+        # The piece's original px to output px.
+        zoom_x = scale_x * piece.r
+        zoom_y = scale_y * piece.r
+        # load() may decode the image smaller (a JPEG draft): at the larger zoom, at most at the
+        # canvas's scale; it returns the scale it decoded at.
+        decode_scale = min(max(zoom_x, zoom_y), piece.r)
+        image, (loaded_x, loaded_y) = load(piece.index, decode_scale)
+        dx, dy = _paste(
+            out,
+            image,
+            scale=(zoom_x / loaded_x, zoom_y / loaded_y),
+            offset=(scale_x * piece.ox + shift_x, scale_y * piece.oy + shift_y),
+            rect=(left, top, right, bottom),
+        )
+        shifts.append((dx / scale_x, dy / scale_y))
     return out, shifts
+
+
+def _render_warped(pieces: list[Piece], M: np.ndarray, out_wh: tuple, load) -> tuple:
+    """render for an M that rotates, shears or projects: the pieces on the canvas, warped by PIL."""
+    canvas_width = math.ceil(max(piece.clip[2] for piece in pieces))
+    canvas_height = math.ceil(max(piece.clip[3] for piece in pieces))
+    canvas_size = (canvas_width, canvas_height)
+    canvas, shifts = render(pieces, np.eye(3), canvas_size, load)
+    # PIL maps output px back to canvas px. An affine M gives PIL's AFFINE result too.
+    inverse = np.linalg.inv(M)
+    inverse = inverse / inverse[2, 2]
+    coefficients = tuple(inverse.ravel()[:8])
+    image = Image.fromarray(canvas.permute(1, 2, 0).numpy())
+    image = image.transform(
+        out_wh,
+        method=Image.PERSPECTIVE,
+        data=coefficients,
+        resample=Image.BILINEAR,
+        fillcolor=FILL,
+    )
+    warped = torch.from_numpy(np.array(image))
+    return warped.permute(2, 0, 1).contiguous(), shifts
 
 
 def resample(polys: list, n: int = NPTS) -> np.ndarray:
     """Closed polygons [(k,2)] -> (m,n,2): n points spread evenly over each one's vertex index."""
-    k = np.array([len(p) for p in polys])
-    allp, start = np.concatenate(polys), np.cumsum(k) - k
-    t = np.linspace(0, 1, n, dtype=np.float32)[None] * k[:, None]
-    i = np.minimum(t.astype(np.int64), k[:, None] - 1)
-    f = (t - i)[..., None]
-    nxt = np.where(i + 1 == k[:, None], 0, i + 1) + start[:, None]
-    return allp[i + start[:, None]] * (1 - f) + allp[nxt] * f
+    sizes = np.array([len(poly) for poly in polys])
+    points = np.concatenate(polys)
+    # Per polygon (a column): its first row in points, and its number of vertices.
+    first = (np.cumsum(sizes) - sizes)[:, None]
+    count = sizes[:, None]
+    # n positions from vertex 0 to vertex count (vertex 0 again), and the vertices around each.
+    steps = np.linspace(0, 1, n, dtype=np.float32)
+    position = steps[None] * count
+    vertex = np.minimum(position.astype(np.int64), count - 1)
+    following = np.where(vertex + 1 == count, 0, vertex + 1)
+    weight = (position - vertex)[..., None]
+    start = points[vertex + first]
+    end = points[following + first]
+    return start * (1 - weight) + end * weight
 
 
-def place_labels(pieces: list, labels: list, M: np.ndarray, sc: float, out_wh: tuple, shifts: list):
+def place_labels(
+    pieces: list,
+    labels: list,
+    M: np.ndarray,
+    sc: float,
+    out_wh: tuple,
+    shifts: list,
+):
     """Label dicts of the pieces through the geometry -> cls (n,), boxes (n,4) xyxy output px,
     polygons ((NPTS,2) output px; None: a box). sc: the affine's scale; shifts: render's."""
-    W, H = out_wh
-    # per piece: cls, box before (canvas), box after (output), has-polygon; first: float64, no rows
-    empty = (np.zeros(0, np.int64), np.zeros((0, 4)), np.zeros((0, 4)), np.zeros(0, bool))
-    out, polys = [empty], []
-    for p, lb, (dx, dy) in zip(pieces, labels, shifts):
-        (h0, w0), seg = lb["shape"], len(lb["segments"]) > 0
-        # a polygon: NPTS points, a box: its 4 corners; clamped to the piece's visible part
-        pts = resample(lb["segments"]) if seg else box_corners(xywh2xyxy(lb["bboxes"]))
-        x = np.clip(pts[..., 0] * (w0 * p.r) + p.ox + dx, p.clip[0], p.clip[2])
-        y = np.clip(pts[..., 1] * (h0 * p.r) + p.oy + dy, p.clip[1], p.clip[3])
-        before = np.stack([x.min(1), y.min(1), x.max(1), y.max(1)], 1)
-        d = M[2, 0] * x + M[2, 1] * y + M[2, 2]  # exactly 1 for an affine M
-        qx, qy = ((M[row, 0] * x + M[row, 1] * y + M[row, 2]) / d for row in (0, 1))
-        # a polygon's box: the extent of its points inside the output; a box's: its corners, clipped
-        ins = (qx >= 0) & (qx <= W) & (qy >= 0) & (qy <= H) if seg else np.ones_like(qx, bool)
-        lo = [np.where(ins, q, np.inf).min(1) for q in (qx, qy)]
-        hi = [np.where(ins, q, -np.inf).max(1) for q in (qx, qy)]
-        after = np.stack(lo + hi, 1).clip(0, (W, H, W, H))
-        after[~ins.any(1)] = 0
-        polys += list(np.stack([qx, qy], 2)) if seg else [None] * len(qx)
-        out.append((lb["cls"], before, after, np.full(len(qx), seg)))
-    cls, before, boxes, seg = map(np.concatenate, zip(*out))
-    boxes, before = boxes.astype(np.float32), before * sc
-    # yolov5's rule: wider and taller than 2 px, kept area > 1% (polygons) / 10%, aspect < 100
-    w1, h1 = before[:, 2] - before[:, 0], before[:, 3] - before[:, 1]
-    w2, h2 = boxes[:, 2] - boxes[:, 0], boxes[:, 3] - boxes[:, 1]
-    ar = np.maximum(w2 / (h2 + 1e-16), h2 / (w2 + 1e-16))
-    area_ok = w2 * h2 / (w1 * h1 + 1e-16) > np.where(seg, 0.01, 0.1)
-    keep = (w2 > 2.0) & (h2 > 2.0) & area_ok & (ar < 100.0)
-    return cls[keep].astype(np.int64), boxes[keep], [q for q, k in zip(polys, keep) if k]
+    # Per label: its class, its box before (canvas px) and after (output px), whether it is a
+    # polygon. Each list starts with an empty part, which sets the dtypes (float64 boxes).
+    classes = [np.zeros(0, np.int64)]
+    before = [np.zeros((0, 4))]
+    after = [np.zeros((0, 4))]
+    is_polygon = [np.zeros(0, bool)]
+    polygons = []
+    for piece, label, shift in zip(pieces, labels, shifts):
+        has_polygons = len(label["segments"]) > 0
+        x, y = _canvas_points(piece, label, shift)
+        top_left = [x.min(1), y.min(1)]
+        bottom_right = [x.max(1), y.max(1)]
+        before.append(np.stack(top_left + bottom_right, 1))
+        out_x, out_y = _project(M, x, y)
+        after.append(_output_boxes(out_x, out_y, out_wh, has_polygons))
+        if has_polygons:
+            polygons += list(np.stack([out_x, out_y], 2))
+        else:
+            polygons += [None] * len(out_x)
+        classes.append(label["cls"])
+        is_polygon.append(np.full(len(out_x), has_polygons))
+    classes = np.concatenate(classes)
+    before = np.concatenate(before) * sc
+    boxes = np.concatenate(after).astype(np.float32)
+    keep = _box_candidates(before, boxes, np.concatenate(is_polygon))
+    kept_polygons = [poly for poly, kept in zip(polygons, keep) if kept]
+    return classes[keep].astype(np.int64), boxes[keep], kept_polygons
+
+
+def _canvas_points(piece: Piece, label: dict, shift: tuple) -> tuple:
+    """A label's polygons (NPTS points each) or boxes (their 4 corners) in canvas px, clamped to
+    the piece's visible part -> x, y (n, points)."""
+    height, width = label["shape"]
+    if len(label["segments"]) > 0:
+        points = resample(label["segments"])
+    else:
+        points = box_corners(xywh2xyxy(label["bboxes"]))
+    canvas_width = width * piece.r
+    canvas_height = height * piece.r
+    dx, dy = shift
+    x = points[..., 0] * canvas_width + piece.ox + dx
+    y = points[..., 1] * canvas_height + piece.oy + dy
+    left, top, right, bottom = piece.clip
+    return np.clip(x, left, right), np.clip(y, top, bottom)
+
+
+def _project(M: np.ndarray, x: np.ndarray, y: np.ndarray) -> tuple:
+    """Points x, y (canvas px) through the 3x3 matrix M -> x, y (output px)."""
+    # The projective divisor: exactly 1 for an affine M.
+    divisor = _row_times(M[2], x, y)
+    out_x = _row_times(M[0], x, y) / divisor
+    out_y = _row_times(M[1], x, y) / divisor
+    return out_x, out_y
+
+
+def _row_times(row: np.ndarray, x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """A row (3,) of a 3x3 matrix times the points [x, y, 1]."""
+    return row[0] * x + row[1] * y + row[2]
+
+
+def _output_boxes(x: np.ndarray, y: np.ndarray, out_wh: tuple, is_polygon: bool) -> np.ndarray:
+    """Boxes (n,4) xyxy output px of points x, y (n, points) output px, within the output."""
+    width, height = out_wh
+    if is_polygon:
+        # A polygon's box: the extent of its points inside the output.
+        inside_x = (x >= 0) & (x <= width)
+        inside_y = (y >= 0) & (y <= height)
+        inside = inside_x & inside_y
+    else:
+        # A box's: the extent of its corners, clipped.
+        inside = np.ones_like(x, bool)
+    left = np.where(inside, x, np.inf).min(1)
+    top = np.where(inside, y, np.inf).min(1)
+    right = np.where(inside, x, -np.inf).max(1)
+    bottom = np.where(inside, y, -np.inf).max(1)
+    boxes = np.stack([left, top, right, bottom], 1)
+    boxes = boxes.clip(0, (width, height, width, height))
+    # No point inside: an empty box, which the size rule drops.
+    boxes[~inside.any(1)] = 0
+    return boxes
+
+
+def _box_candidates(before: np.ndarray, after: np.ndarray, is_polygon: np.ndarray) -> np.ndarray:
+    """yolov5's rule for the labels to keep, from boxes (n,4) xyxy before and after the geometry
+    (both in output px): wider and taller than 2 px, keeping over 1% of their area (polygons) or
+    10% (boxes), aspect ratio under 100 -> (n,) bool."""
+    width_before = before[:, 2] - before[:, 0]
+    height_before = before[:, 3] - before[:, 1]
+    width = after[:, 2] - after[:, 0]
+    height = after[:, 3] - after[:, 1]
+    wide = width / (height + 1e-16)
+    tall = height / (width + 1e-16)
+    aspect = np.maximum(wide, tall)
+    area_kept = width * height / (width_before * height_before + 1e-16)
+    area_ok = area_kept > np.where(is_polygon, 0.01, 0.1)
+    return (width > 2.0) & (height > 2.0) & area_ok & (aspect < 100.0)
 
 
 def hsv_jitter(img: torch.Tensor, hyp: dict) -> torch.Tensor:
     """yolov5's HSV gains U(-1,1) * hsv_h/s/v + 1 on uint8 (3,H,W) RGB, applied in RGB."""
-    # saturation: a blend with V = max(R,G,B); value: a product; hue: a rotation about the grey
-    # axis (<= 2.7 deg off yolov5's hue shift)
-    gh, gs, gv = (random.uniform(-1, 1) * hyp[k] + 1 for k in ("hsv_h", "hsv_s", "hsv_v"))
-    r, g, b = (Image.fromarray(c) for c in img.numpy())
-    v = ImageChops.lighter(ImageChops.lighter(r, g), b)
-    im = Image.blend(Image.merge("RGB", (v, v, v)), Image.merge("RGB", (r, g, b)), gs)
-    t = math.radians((gh - 1) * 180)
-    c, k, q = math.cos(t), (1 - math.cos(t)) / 3, math.sin(t) / math.sqrt(3)
-    rot = np.array([[c + k, k - q, k + q], [k + q, c + k, k - q], [k - q, k + q, c + k]]) * gv
-    im = im.convert("RGB", tuple(np.concatenate([rot, np.zeros((3, 1))], 1).ravel().tolist()))
-    return torch.from_numpy(np.stack([np.asarray(ch) for ch in im.split()]))  # faster than permute
+    hue_gain = random.uniform(-1, 1) * hyp["hsv_h"] + 1
+    saturation_gain = random.uniform(-1, 1) * hyp["hsv_s"] + 1
+    value_gain = random.uniform(-1, 1) * hyp["hsv_v"] + 1
+    red, green, blue = map(Image.fromarray, img.numpy())
+    # Saturation: a blend with the grey of V = max(R, G, B).
+    value = ImageChops.lighter(ImageChops.lighter(red, green), blue)
+    grey = Image.merge("RGB", (value, value, value))
+    colour = Image.merge("RGB", (red, green, blue))
+    image = Image.blend(grey, colour, saturation_gain)
+    # Hue: a rotation about the grey axis (1, 1, 1) (Rodrigues' formula), within 2.7 degrees of
+    # yolov5's hue shift. Value: a product.
+    angle = math.radians((hue_gain - 1) * 180)
+    cos = math.cos(angle)
+    along = (1 - cos) / 3
+    across = math.sin(angle) / math.sqrt(3)
+    diagonal = cos + along
+    plus = along + across
+    minus = along - across
+    rotation = np.array(
+        [
+            [diagonal, minus, plus],
+            [plus, diagonal, minus],
+            [minus, plus, diagonal],
+        ]
+    )
+    # PIL's convert takes a 3x4 matrix: a 4th column of offsets, here 0.
+    matrix = np.zeros((3, 4))
+    matrix[:, :3] = rotation * value_gain
+    image = image.convert("RGB", tuple(matrix.ravel().tolist()))
+    # Stacking the bands is faster than permuting the interleaved pixels.
+    bands = [np.asarray(band) for band in image.split()]
+    return torch.from_numpy(np.stack(bands))
 
 
-def polygon_area(p: np.ndarray) -> float:
+def polygon_area(polygon: np.ndarray) -> float:
     """Area of a closed polygon (k, 2) [x, y] (shoelace formula)."""
-    x, y = p[:, 0], p[:, 1]
-    return 0.5 * abs(float(x[:-1] @ y[1:] - x[1:] @ y[:-1] + x[-1] * y[0] - x[0] * y[-1]))
+    x = polygon[:, 0]
+    y = polygon[:, 1]
+    forward = x[:-1] @ y[1:]
+    backward = x[1:] @ y[:-1]
+    # The closing edge, from the last vertex to the first.
+    closing_forward = x[-1] * y[0]
+    closing_backward = x[0] * y[-1]
+    twice_area = forward - backward + closing_forward - closing_backward
+    return 0.5 * abs(float(twice_area))
 
 
 def overlap_mask(polys: list, boxes: np.ndarray, out_hw: tuple, ratio: int = 4) -> torch.Tensor:
     """Overlap index map (H//ratio, W//ratio) uint8 (int16 from 256 instances): k where a pixel's
     centre is in polys[k-1] (m,2) output px, or boxes[k-1] xyxy if None; smaller on top (yolov5)."""
-    h, w = out_hw[0] // ratio, out_hw[1] // ratio
-    m = Image.new("L" if len(boxes) < 256 else "I", (2 * w, 2 * h), 0)
-    draw = ImageDraw.Draw(m)  # PIL truncates vertices and fills edges: drawn at 2x, sampled
-    shapes = [c if p is None else p for p, c in zip(polys, box_corners(boxes))]
-    for k in np.argsort(-np.array([polygon_area(s) for s in shapes]), kind="stable"):
-        draw.polygon((shapes[k] * (2 / ratio) + 0.5).ravel().tolist(), fill=int(k) + 1)
-    dtype = np.uint8 if m.mode == "L" else np.int16
-    return torch.from_numpy(np.asarray(m)[1::2, 1::2].astype(dtype))
+    height = out_hw[0] // ratio
+    width = out_hw[1] // ratio
+    few = len(boxes) < 256
+    # PIL truncates vertices and fills a polygon's edges too: drawn at twice the size, then
+    # sampled at the pixel centres.
+    mode = "L" if few else "I"
+    mask = Image.new(mode, (2 * width, 2 * height), 0)
+    draw = ImageDraw.Draw(mask)
+    corners = box_corners(boxes)
+    shapes = [box if poly is None else poly for poly, box in zip(polys, corners)]
+    areas = np.array([polygon_area(shape) for shape in shapes])
+    # The largest first, so that smaller ones are drawn over it.
+    for k in np.argsort(-areas, kind="stable"):
+        vertices = shapes[k] * (2 / ratio) + 0.5
+        number = int(k) + 1
+        draw.polygon(vertices.ravel().tolist(), fill=number)
+    sampled = np.asarray(mask)[1::2, 1::2]
+    dtype = np.uint8 if few else np.int16
+    return torch.from_numpy(sampled.astype(dtype))
