@@ -5,27 +5,50 @@ from __future__ import annotations
 
 import numpy as np
 
-IOU_THRESHOLDS = np.linspace(0.5, 0.95, 10)  # float64, bit-equal to COCOeval's iouThrs
-RECALL_POINTS = np.linspace(0.0, 1.0, 101)  # COCOeval's recThrs
-CONF_GRID = np.linspace(0.0, 1.0, 1000)  # confidences scanned for the max-mean-F1 point
-SUFFIX = {"box": "B", "mask": "M"}  # metric names: "mAP50(B)", "mAP50-95(M)", ...
-KINDS = {"detect": ("box",), "segment": ("box", "mask"), "classify": ("class",)}  # what it scores
+# float64, bit-equal to COCOeval's iouThrs.
+IOU_THRESHOLDS = np.linspace(0.5, 0.95, 10)
+# COCOeval's recThrs.
+RECALL_POINTS = np.linspace(0.0, 1.0, 101)
+# The confidences scanned for the max-mean-F1 point.
+CONF_GRID = np.linspace(0.0, 1.0, 1000)
+# Metric names: "mAP50(B)", "mAP50-95(M)", ...
+SUFFIX = {"box": "B", "mask": "M"}
+# What each task scores.
+KINDS = {
+    "detect": ("box",),
+    "segment": ("box", "mask"),
+    "classify": ("class",),
+}
+# ap_per_class's metrics, in the order summarize names them.
+AP_METRICS = ("P", "R", "mAP50", "mAP50-95")
 
 
 def match_predictions(iou: np.ndarray, conf, pred_cls, gt_cls) -> np.ndarray:
     """COCO's greedy matching: iou (n, m), conf (n,), pred_cls (n,), gt_cls (m,) -> tp (n, T) bool;
     by descending conf, each takes its class's free ground truth of top IoU >= t (ties: last)."""
-    thr, m = IOU_THRESHOLDS[:, None], iou.shape[1]
-    tp = np.zeros((len(iou), len(thr)), dtype=bool)
-    free, rows = np.ones((len(thr), m), dtype=bool), np.arange(len(thr))
-    iou = np.where(pred_cls[:, None] == gt_cls[None], iou, -1.0)
+    thresholds = IOU_THRESHOLDS[:, None]
+    n_thresholds = len(IOU_THRESHOLDS)
+    n_gt = iou.shape[1]
+    tp = np.zeros((len(iou), n_thresholds), dtype=bool)
+    # Per threshold, the ground truths not matched yet.
+    free = np.ones((n_thresholds, n_gt), dtype=bool)
+    levels = np.arange(n_thresholds)
+    # A prediction only matches ground truth of its class.
+    same_class = pred_cls[:, None] == gt_cls[None]
+    iou = np.where(same_class, iou, -1.0)
     order = np.argsort(-conf, kind="stable")
-    for d in order[iou[order].max(1, initial=-1.0) >= thr[0]]:  # only these can match anything
-        cand = np.where(free & (iou[d] >= thr), iou[d], -1.0)[:, ::-1]  # argmax: the last best
-        best = cand.argmax(1)
-        hit = cand[rows, best] >= 0
-        tp[d, hit] = True
-        free[rows[hit], m - 1 - best[hit]] = False
+    # Only the predictions with an IoU over the lowest threshold can match anything.
+    best_iou = iou[order].max(1, initial=-1.0)
+    for pred in order[best_iou >= thresholds[0]]:
+        pred_iou = iou[pred]
+        eligible = free & (pred_iou >= thresholds)
+        candidates = np.where(eligible, pred_iou, -1.0)
+        # Reversed, so that argmax (the first best) finds the last best ground truth.
+        candidates = candidates[:, ::-1]
+        best = candidates.argmax(1)
+        hit = candidates[levels, best] >= 0
+        tp[pred, hit] = True
+        free[levels[hit], n_gt - 1 - best[hit]] = False
     return tp
 
 
@@ -33,99 +56,197 @@ def image_record(index: int, conf, pred_cls, gt_cls, ious: dict) -> dict:
     """What AP needs from one image: conf (n,), pred_cls (n,), gt_cls (m,), ious {"box" and/or
     "mask": (n, m) float64} -> {"index", "conf", "cls", "gt_cls", "tp": {kind: (n, T) bool}}."""
     conf = np.asarray(conf, dtype=np.float64).reshape(-1)
-    pred_cls, gt_cls = (np.asarray(c, dtype=np.int64).reshape(-1) for c in (pred_cls, gt_cls))
-    tp = {kind: match_predictions(iou, conf, pred_cls, gt_cls) for kind, iou in ious.items()}
-    return {"index": int(index), "conf": conf, "cls": pred_cls, "gt_cls": gt_cls, "tp": tp}
+    pred_cls = np.asarray(pred_cls, dtype=np.int64).reshape(-1)
+    gt_cls = np.asarray(gt_cls, dtype=np.int64).reshape(-1)
+    tp = {}
+    for kind, iou in ious.items():
+        tp[kind] = match_predictions(iou, conf, pred_cls, gt_cls)
+    return {
+        "index": int(index),
+        "conf": conf,
+        "cls": pred_cls,
+        "gt_cls": gt_cls,
+        "tp": tp,
+    }
 
 
 def merge_records(parts: list[list[dict]]) -> list[dict]:
     """Every rank's records as one list, de-duplicated by dataset index and sorted by it."""
-    merged = {r["index"]: r for part in reversed(parts) for r in part}  # the first rank's wins
-    return [merged[i] for i in sorted(merged)]
+    merged = {}
+    # Read from the last rank's to the first's, so that the first rank's record wins.
+    for part in reversed(parts):
+        for record in part:
+            merged[record["index"]] = record
+    return [merged[index] for index in sorted(merged)]
 
 
 def ap_per_class(tp: np.ndarray, conf, pred_cls, classes, n_gt) -> dict:
     """COCO AP of all detections tp (N, T), conf (N,), pred_cls (N,) (by dataset index) for classes
     (K,) of n_gt (K,) instances -> "P", "R" at the max-mean-F1 conf, "mAP50", "mAP50-95" (K, T)."""
-    ap = np.zeros((len(classes), tp.shape[1]))
-    p_curve, r_curve = np.zeros((2, len(classes), len(CONF_GRID)))
-    for ci, (c, npos) in enumerate(zip(classes, n_gt)):
-        sel = np.flatnonzero(pred_cls == c)
-        if len(sel) == 0:
-            continue  # AP 0, P 0, R 0
-        order = sel[np.argsort(-conf[sel], kind="mergesort")]  # stable, as COCOeval
-        tpc = np.cumsum(tp[order], 0).astype(np.float64)
-        n_seen = np.arange(1.0, len(order) + 1)[:, None]  # true + false positives so far
-        recall, precision = tpc / npos, tpc / (n_seen + np.spacing(1))
-        # the precision envelope, and 0 past the last recall
-        envelope = np.pad(np.maximum.accumulate(precision[::-1], 0)[::-1], ((0, 1), (0, 0)))
-        for ti in range(tp.shape[1]):  # at a recall point: the first detection reaching it
-            ap[ci, ti] = envelope[np.searchsorted(recall[:, ti], RECALL_POINTS), ti].mean()
-        # P/R at IoU 0.5 as step functions of the confidence threshold (detections with conf >= x)
-        n_above = np.searchsorted(-conf[order], -CONF_GRID, side="right")
-        last = np.maximum(n_above - 1, 0)
-        r_curve[ci] = np.where(n_above > 0, tpc[last, 0] / npos, 0.0)
-        p_curve[ci] = np.where(n_above > 0, tpc[last, 0] / np.maximum(n_above, 1), 1.0)
+    n_classes = len(classes)
+    ap = np.zeros((n_classes, tp.shape[1]))
+    p_curve = np.zeros((n_classes, len(CONF_GRID)))
+    r_curve = np.zeros((n_classes, len(CONF_GRID)))
+    for k, (cls, n_positives) in enumerate(zip(classes, n_gt)):
+        selected = np.flatnonzero(pred_cls == cls)
+        # A class without detections: AP 0, P 0, R 0.
+        if len(selected) == 0:
+            continue
+        # By descending confidence, stable as COCOeval's mergesort.
+        order = selected[np.argsort(-conf[selected], kind="mergesort")]
+        tp_cumsum = np.cumsum(tp[order], 0).astype(np.float64)
+        ap[k] = _average_precision(tp_cumsum, n_positives)
+        precision, recall = _pr_curves(tp_cumsum[:, 0], conf[order], n_positives)
+        p_curve[k] = precision
+        r_curve[k] = recall
     f1 = 2 * p_curve * r_curve / (p_curve + r_curve + 1e-16)
-    best = int(f1.mean(0).argmax()) if len(classes) else 0
-    return {"P": p_curve[:, best], "R": r_curve[:, best], "mAP50": ap[:, 0], "mAP50-95": ap}
+    # The confidence of the best F1, averaged over the classes.
+    best = int(f1.mean(0).argmax()) if n_classes else 0
+    return {
+        "P": p_curve[:, best],
+        "R": r_curve[:, best],
+        "mAP50": ap[:, 0],
+        "mAP50-95": ap,
+    }
+
+
+def _average_precision(tp_cumsum: np.ndarray, n_positives: int) -> list[float]:
+    """COCO AP at each IoU threshold of one class from its detections' cumulative true positives
+    (N, T), by descending confidence -> T values."""
+    recall = tp_cumsum / n_positives
+    # True and false positives so far.
+    n_seen = np.arange(1.0, len(tp_cumsum) + 1)[:, None]
+    precision = tp_cumsum / (n_seen + np.spacing(1))
+    # The precision envelope: the best precision at this recall or a higher one.
+    best_after = np.maximum.accumulate(precision[::-1], 0)
+    envelope = best_after[::-1]
+    # And 0 past the last recall.
+    envelope = np.pad(envelope, ((0, 1), (0, 0)))
+    ap = []
+    for t in range(tp_cumsum.shape[1]):
+        # At each recall point: the envelope at the first detection reaching it.
+        reaching = np.searchsorted(recall[:, t], RECALL_POINTS)
+        ap.append(envelope[reaching, t].mean())
+    return ap
+
+
+def _pr_curves(tp_cumsum: np.ndarray, conf: np.ndarray, n_positives: int) -> tuple:
+    """Precision and recall (len(CONF_GRID),) at IoU 0.5 of one class as step functions of the
+    confidence threshold x (the detections with conf >= x), from its detections' cumulative true
+    positives (N,) and confidences (N,), by descending confidence."""
+    n_above = np.searchsorted(-conf, -CONF_GRID, side="right")
+    any_above = n_above > 0
+    tp_above = tp_cumsum[np.maximum(n_above - 1, 0)]
+    precision = np.where(any_above, tp_above / np.maximum(n_above, 1), 1.0)
+    recall = np.where(any_above, tp_above / n_positives, 0.0)
+    return precision, recall
 
 
 def metric_names(kinds: tuple[str, ...]) -> list[str]:
     """Names of the metrics summarize gives kinds ("box", "mask"), summarize_classes ("class")."""
     if kinds == ("class",):
         return ["top1_acc", "top5_acc", "val_loss"]
-    return [f"{m}({SUFFIX[k]})" for k in kinds for m in ("P", "R", "mAP50", "mAP50-95")]
+    return [f"{name}({SUFFIX[kind]})" for kind in kinds for name in AP_METRICS]
 
 
 def summarize(records: list[dict], kinds: tuple[str, ...] = ("box",)) -> dict:
     """{"metrics": {"P(B)", "R(B)", "mAP50(B)", "mAP50-95(B)" (and (M) for masks)}, "fitness",
     "images", "instances", "per_class": [{"class", "images", "instances", metrics...}]}."""
-    conf = np.concatenate([np.zeros(0)] + [r["conf"] for r in records])
-    pred_cls = np.concatenate([np.zeros(0, np.int64)] + [r["cls"] for r in records])
-    gt_cls = np.concatenate([np.zeros(0, np.int64)] + [r["gt_cls"] for r in records])
+    conf = _joined(records, "conf", np.zeros(0))
+    pred_cls = _joined(records, "cls", np.zeros(0, np.int64))
+    gt_cls = _joined(records, "gt_cls", np.zeros(0, np.int64))
     classes, n_gt = np.unique(gt_cls, return_counts=True)
-    present = np.concatenate([np.unique(r["gt_cls"]) for r in records] + [classes[:0]])
-    n_images = np.unique(present, return_counts=True)[1]  # images showing each class
+    # The number of images showing each class.
+    image_classes = [np.unique(record["gt_cls"]) for record in records]
+    present = np.concatenate([classes[:0]] + image_classes)
+    n_images = np.unique(present, return_counts=True)[1]
+    rows = []
     counts = zip(classes.tolist(), n_images.tolist(), n_gt.tolist())
-    rows = [{"class": c, "images": i, "instances": n} for c, i, n in counts]
+    for cls, images, instances in counts:
+        rows.append({"class": cls, "images": images, "instances": instances})
+    tp_records = [record["tp"] for record in records]
+    no_tp = np.zeros((0, len(IOU_THRESHOLDS)), bool)
     metrics = {}
     for kind in kinds:
-        tp = np.concatenate([r["tp"][kind] for r in records] + [np.zeros((0, 10), bool)])
-        for name, values in ap_per_class(tp, conf, pred_cls, classes, n_gt).items():
+        tp = _joined(tp_records, kind, no_tp)
+        results = ap_per_class(tp, conf=conf, pred_cls=pred_cls, classes=classes, n_gt=n_gt)
+        for name, values in results.items():
             key = f"{name}({SUFFIX[kind]})"
             metrics[key] = float(values.mean()) if len(classes) else 0.0
-            for row, v in zip(rows, values):
-                row[key] = float(v.mean())
-    out = {"metrics": metrics, "fitness": fitness(metrics), "images": len(records)}
-    return out | {"instances": len(gt_cls), "per_class": rows}
+            for row, value in zip(rows, values):
+                row[key] = float(value.mean())
+    return {
+        "metrics": metrics,
+        "fitness": fitness(metrics),
+        "images": len(records),
+        "instances": len(gt_cls),
+        "per_class": rows,
+    }
+
+
+def _joined(records: list[dict], key: str, empty: np.ndarray) -> np.ndarray:
+    """The records' arrays under key, concatenated after empty (which sets the dtype)."""
+    return np.concatenate([empty] + [record[key] for record in records])
 
 
 def class_records(indices, scores, labels, losses) -> list[dict]:
     """A batch's indices, labels, losses (bs,) and scores (bs, nc) (CPU logits or probabilities)
     -> per image {"index", "label", "top5" (the min(5, nc) best classes, best first), "loss"}."""
-    top5 = np.argsort(-np.asarray(scores, np.float64), 1, kind="stable")[:, :5]
-    keys = zip(indices, labels, top5, losses)
-    return [{"index": int(i), "label": int(c), "top5": t, "loss": float(x)} for i, c, t, x in keys]
+    scores = np.asarray(scores, np.float64)
+    # Ties in the order of the classes.
+    ranked = np.argsort(-scores, 1, kind="stable")
+    top5 = ranked[:, :5]
+    records = []
+    for index, label, best, loss in zip(indices, labels, top5, losses):
+        record = {
+            "index": int(index),
+            "label": int(label),
+            "top5": best,
+            "loss": float(loss),
+        }
+        records.append(record)
+    return records
 
 
 def summarize_classes(records: list[dict]) -> dict:
     """summarize's dict of class_records: "metrics" {"top1_acc", "top5_acc" (1 if nc < 5, as
     yolov5), "val_loss"}, "fitness" (top1_acc), "images", "per_class" (the accuracies by label)."""
-    labels = np.array([r["label"] for r in records], np.int64)
-    hits = np.array([[r["top5"][0] == r["label"], r["label"] in r["top5"]] for r in records])
+    labels = [record["label"] for record in records]
+    labels = np.array(labels, np.int64)
+    top1_hits = [record["top5"][0] == record["label"] for record in records]
+    top5_hits = [record["label"] in record["top5"] for record in records]
+    hits = np.stack([top1_hits, top5_hits], 1)
+    losses = [record["loss"] for record in records]
+    val_loss = float(np.mean(losses)) if losses else 0.0
+    metrics = _accuracy(hits) | {"val_loss": val_loss}
+    rows = []
+    for cls in np.unique(labels):
+        in_class = labels == cls
+        images = int(in_class.sum())
+        row = {"class": int(cls), "images": images}
+        rows.append(row | _accuracy(hits[in_class]))
+    return {
+        "metrics": metrics,
+        "fitness": metrics["top1_acc"],
+        "images": len(records),
+        "per_class": rows,
+    }
 
-    def accuracy(h: np.ndarray) -> dict:
-        top1, top5 = h.reshape(-1, 2).mean(0) if len(h) else (0.0, 0.0)
-        return {"top1_acc": float(top1), "top5_acc": float(top5)}
 
-    rows = [{"class": int(c), "images": int((labels == c).sum())} for c in np.unique(labels)]
-    metrics = accuracy(hits) | {"val_loss": float(np.mean([r["loss"] for r in records] or [0]))}
-    rows = [row | accuracy(hits[labels == row["class"]]) for row in rows]
-    return dict(metrics=metrics, fitness=metrics["top1_acc"], images=len(records), per_class=rows)
+def _accuracy(hits: np.ndarray) -> dict:
+    """Top-1 and top-5 accuracy of hits (n, 2) bool [top-1 hit, top-5 hit] (0 for none)."""
+    if len(hits) == 0:
+        return {"top1_acc": 0.0, "top5_acc": 0.0}
+    top1, top5 = hits.mean(0)
+    return {"top1_acc": float(top1), "top5_acc": float(top5)}
 
 
 def fitness(metrics: dict) -> float:
     """0.1 * mAP50 + 0.9 * mAP50-95, summed over boxes and (segment) masks."""
-    kinds = [s for s in SUFFIX.values() if f"mAP50({s})" in metrics]
-    return sum(0.1 * metrics[f"mAP50({s})"] + 0.9 * metrics[f"mAP50-95({s})"] for s in kinds)
+    terms = []
+    for suffix in SUFFIX.values():
+        if f"mAP50({suffix})" in metrics:
+            map50 = metrics[f"mAP50({suffix})"]
+            map50_95 = metrics[f"mAP50-95({suffix})"]
+            terms.append(0.1 * map50 + 0.9 * map50_95)
+    return sum(terms)
