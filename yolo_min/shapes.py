@@ -12,85 +12,158 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 NAMES = ["circle", "rectangle", "triangle"]
-VERSION = 4  # bump when the generated content changes: the cache folders are <kind>-v{VERSION}
-N_TRAIN, N_VAL, SIZE = 512, 64, 128
-N_CLS_TRAIN, N_CLS_VAL = 1200, 300
-HUE_SPREAD = 0.2  # class k's hues: k/3 +- this (fraction of the colour wheel)
+# Bump when the generated content changes: the cache folders are <kind>-v{VERSION}.
+VERSION = 4
+N_TRAIN = 512
+N_VAL = 64
+SIZE = 128
+N_CLS_TRAIN = 1200
+N_CLS_VAL = 300
+# Class k's hues are k/3 +- this (a fraction of the colour wheel).
+HUE_SPREAD = 0.2
 
 
 def make_image(rng: np.random.Generator, size: int = SIZE) -> tuple[Image.Image, list]:
     """One RGB image (size x size) and its labels [(cls, polygon (k,2) float [x, y] in pixels)]."""
-    grid = rng.integers(70, 170, (4, 4, 3), dtype=np.uint8)  # muted low-frequency colour field
-    im = Image.fromarray(grid).resize((size, size), Image.Resampling.BICUBIC)
-    draw = ImageDraw.Draw(im)
-    objects, labels = [], []
+    # A muted, low-frequency colour field as the background.
+    grid = rng.integers(70, 170, (4, 4, 3), dtype=np.uint8)
+    image = Image.fromarray(grid)
+    image = image.resize((size, size), Image.Resampling.BICUBIC)
+    draw = ImageDraw.Draw(image)
+    placed = []
+    labels = []
     for _ in range(rng.integers(1, 5)):
-        for _try in range(30):  # a free spot: no overlap with the shapes already drawn
-            rad = rng.uniform(0.12, 0.25) * size
-            c = rng.uniform(rad + 2, size - rad - 2, 2)
-            if all(np.hypot(*(c - c2)) > rad + r2 + 4 for c2, r2 in objects):
-                break
-        else:
+        spot = _free_spot(rng, size, placed)
+        if spot is None:
             continue
-        objects.append((c, rad))
-        k, a = int(rng.integers(3)), rng.uniform(0, 2 * math.pi)
-        if k == 0:
-            ang = np.linspace(0, 2 * math.pi, 48, endpoint=False)
-        elif k == 1:
-            half = math.atan(rng.uniform(0.4, 1.0))  # aspect of the rectangle
-            ang = np.array([half, math.pi - half, math.pi + half, -half])
-        else:
-            ang = np.array([0, 2.1, 4.2]) + rng.uniform(-0.3, 0.3, 3)
-        rr = rad * rng.uniform(0.85, 1.0, 3) if k == 2 else np.full(len(ang), rad)  # vertex radii
-        poly = c + np.stack([rr * np.cos(ang + a), rr * np.sin(ang + a)], 1)
-        hue = (k / 3 + rng.uniform(-HUE_SPREAD, HUE_SPREAD)) % 1
-        ramp = [abs(6 * ((hue + o) % 1) - 3) - 1 for o in (0, 2 / 3, 1 / 3)]  # hue -> r, g, b
-        rgb = tuple(int(255 * min(1, max(0, x))) for x in ramp)
-        # PIL's polygon vertices are pixel centres, ours pixel corners
-        draw.polygon([tuple(p) for p in (poly - 0.5)], fill=rgb)
-        labels.append((k, poly))
-    px = np.asarray(im, np.float32) + rng.normal(0, 4, (size, size, 3))
-    return Image.fromarray(np.clip(px, 0, 255).astype(np.uint8)), labels
+        placed.append(spot)
+        kind = int(rng.integers(3))
+        centre, radius = spot
+        polygon = _shape_polygon(rng, kind, centre, radius)
+        colour = _class_colour(rng, kind)
+        # PIL's polygon vertices are pixel centres, ours pixel corners.
+        vertices = [tuple(point) for point in polygon - 0.5]
+        draw.polygon(vertices, fill=colour)
+        labels.append((kind, polygon))
+    noise = rng.normal(0, 4, (size, size, 3))
+    pixels = np.asarray(image, np.float32) + noise
+    pixels = np.clip(pixels, 0, 255).astype(np.uint8)
+    return Image.fromarray(pixels), labels
+
+
+def _free_spot(rng: np.random.Generator, size: int, placed: list) -> tuple | None:
+    """A random circle (centre (2,), radius) in pixels inside the image and 4 px clear of the
+    placed ones, in at most 30 tries; else None."""
+    for _ in range(30):
+        radius = rng.uniform(0.12, 0.25) * size
+        centre = rng.uniform(radius + 2, size - radius - 2, 2)
+        clear = [
+            np.hypot(*(centre - other_centre)) > radius + other_radius + 4
+            for other_centre, other_radius in placed
+        ]
+        if all(clear):
+            return centre, radius
+    return None
+
+
+def _shape_polygon(rng: np.random.Generator, kind: int, centre, radius: float) -> np.ndarray:
+    """The polygon (k,2) [x, y] in pixels of a shape of class kind, randomly turned, within the
+    circle of centre and radius."""
+    turn = rng.uniform(0, 2 * math.pi)
+    if kind == 0:
+        # A circle: a regular 48-gon.
+        angles = np.linspace(0, 2 * math.pi, 48, endpoint=False)
+        radii = np.full(len(angles), radius)
+    elif kind == 1:
+        # A rectangle: its corners on the circle, its aspect set by the angle of a diagonal.
+        half = math.atan(rng.uniform(0.4, 1.0))
+        angles = np.array([half, math.pi - half, math.pi + half, -half])
+        radii = np.full(len(angles), radius)
+    else:
+        # A triangle: 3 vertices at jittered angles and radii.
+        jitter = rng.uniform(-0.3, 0.3, 3)
+        angles = np.array([0, 2.1, 4.2]) + jitter
+        radii = radius * rng.uniform(0.85, 1.0, 3)
+    x = radii * np.cos(angles + turn)
+    y = radii * np.sin(angles + turn)
+    return centre + np.stack([x, y], 1)
+
+
+def _class_colour(rng: np.random.Generator, kind: int) -> tuple[int, int, int]:
+    """A random (r, g, b) colour of class kind's band of hues, at full saturation and value."""
+    hue = (kind / 3 + rng.uniform(-HUE_SPREAD, HUE_SPREAD)) % 1
+    rgb = []
+    # Each channel is a clipped triangle wave of the hue, the three a third of a turn apart.
+    for offset in (0, 2 / 3, 1 / 3):
+        ramp = abs(6 * ((hue + offset) % 1) - 3) - 1
+        rgb.append(int(255 * min(1, max(0, ramp))))
+    return tuple(rgb)
 
 
 def generate(root: Path, n_train=N_TRAIN, n_val=N_VAL, size=SIZE, seed=0) -> None:
     """Write images/{train,val}/*.jpg, labels/{train,val}/*.txt and shapes.yaml under root."""
     rng = np.random.default_rng(seed)
-    for split, n in (("train", n_train), ("val", n_val)):
-        for d in ("images", "labels"):
-            (root / d / split).mkdir(parents=True, exist_ok=True)
-        for i in range(n):
-            im, labels = make_image(rng, size)
-            im.save(root / "images" / split / f"{i:06d}.jpg", quality=92)
-            rows = [" ".join([str(k), *(f"{v:.6f}" for v in p.ravel() / size)]) for k, p in labels]
-            (root / "labels" / split / f"{i:06d}.txt").write_text("".join(f"{r}\n" for r in rows))
-    head = f"# yolo_min synthetic shapes v{VERSION}\npath: .\ntrain: images/train\n"
-    (root / "shapes.yaml").write_text(f"{head}val: images/val\nnames: [{', '.join(NAMES)}]\n")
+    for split, count in (("train", n_train), ("val", n_val)):
+        image_dir = root / "images" / split
+        label_dir = root / "labels" / split
+        image_dir.mkdir(parents=True, exist_ok=True)
+        label_dir.mkdir(parents=True, exist_ok=True)
+        for i in range(count):
+            image, labels = make_image(rng, size)
+            image.save(image_dir / f"{i:06d}.jpg", quality=92)
+            lines = [_label_line(kind, polygon / size) for kind, polygon in labels]
+            (label_dir / f"{i:06d}.txt").write_text("".join(lines))
+    names = ", ".join(NAMES)
+    config = (
+        f"# yolo_min synthetic shapes v{VERSION}\n"
+        "path: .\n"
+        "train: images/train\n"
+        "val: images/val\n"
+        f"names: [{names}]\n"
+    )
+    (root / "shapes.yaml").write_text(config)
+
+
+def _label_line(kind: int, polygon: np.ndarray) -> str:
+    """A YOLO polygon label line: the class, then the points' x y, normalised."""
+    values = [f"{v:.6f}" for v in polygon.ravel()]
+    return " ".join([str(kind), *values]) + "\n"
 
 
 def generate_cls(root: Path, n_train=N_CLS_TRAIN, n_val=N_CLS_VAL, seed=1) -> None:
     """Write {train,val}/<class>/*.jpg under root: a scene's first shape with 20% margins."""
     rng = np.random.default_rng(seed)
-    for split, n in (("train", n_train), ("val", n_val)):
+    for split, count in (("train", n_train), ("val", n_val)):
         for name in NAMES:
             (root / split / name).mkdir(parents=True)
-        for i in range(n):
-            im, ((k, poly), *_) = make_image(rng)
-            c, half = (poly.min(0) + poly.max(0)) / 2, 0.6 * np.ptp(poly, 0).max()
-            box = tuple(np.clip([*(c - half), *(c + half)], 0, SIZE).tolist())
-            im.crop(box).save(root / split / NAMES[k] / f"{i:06d}.jpg", quality=92)
+        for i in range(count):
+            image, labels = make_image(rng)
+            kind, polygon = labels[0]
+            # A square about the shape's centre, its side 1.2 times the shape's longer side.
+            centre = (polygon.min(0) + polygon.max(0)) / 2
+            half = 0.6 * np.ptp(polygon, 0).max()
+            corners = [*(centre - half), *(centre + half)]
+            box = np.clip(corners, 0, SIZE)
+            crop = image.crop(tuple(box.tolist()))
+            crop.save(root / split / NAMES[kind] / f"{i:06d}.jpg", quality=92)
 
 
 def ensure(kind: str = "shapes") -> Path:
     """The folder of kind in $YOLO_MIN_CACHE (~/.cache/yolo_min), generated first if absent."""
     cache = os.environ.get("YOLO_MIN_CACHE") or Path.home() / ".cache" / "yolo_min"
     root = Path(cache) / f"{kind}-v{VERSION}"
-    if not root.is_dir():
-        tmp = root.with_name(f".{root.name}.{os.getpid()}.tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        (generate_cls if kind == "shapes-cls" else generate)(tmp)
-        try:
-            os.rename(tmp, root)
-        except OSError:  # another process finished first
-            shutil.rmtree(tmp, ignore_errors=True)
+    if root.is_dir():
+        return root
+    # Made in a folder of this process and renamed into place, so that none is seen half made.
+    partial = root.with_name(f".{root.name}.{os.getpid()}.tmp")
+    shutil.rmtree(partial, ignore_errors=True)
+    if kind == "shapes-cls":
+        generate_cls(partial)
+    else:
+        generate(partial)
+    try:
+        os.rename(partial, root)
+    except OSError:
+        # Another process finished first.
+        shutil.rmtree(partial, ignore_errors=True)
     return root
