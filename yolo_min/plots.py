@@ -17,35 +17,78 @@ PALETTE = (
     "#FF3838 #FF9D97 #FF701F #FFB21D #CFD231 #48F90A #92CC17 #3DDB86 #1A9334 #00D4BB "
     "#2C99A8 #00C2FF #344593 #6473FF #0018EC #8438FF #520085 #CB38FF #FF95C8 #FF37C7"
 ).split()
-MAX_IMAGES, MAX_SIZE, PAD = 16, 1920, 4  # images in a grid, its longest side, the gap (pixels)
+# At most this many images in a grid.
+MAX_IMAGES = 16
+# The grid's longest side, and the gap between its images (pixels).
+MAX_SIZE = 1920
+PAD = 4
 
 
 def draw_batch(images, targets=None, masks=None, *, fname, names=None, preds=None):
     """Write a grid of up to MAX_IMAGES images, uint8 (bs,3,H,W), to fname -> its path. Labels:
     targets (N,6) [image, cls, cx, cy, w, h] normalised, masks (bs,h,w) overlap index maps; or
     preds per image (n,6+) [x1, y1, x2, y2, conf, cls] input px, masks per image (n,h,w) bool."""
-    bs, _, H, W = images.shape
-    n, cells = min(bs, MAX_IMAGES), []
-    for i in range(n):
+    batch_size, _, height, width = images.shape
+    n_images = min(batch_size, MAX_IMAGES)
+    line_width = max(1, round(width / 320))
+    cells = []
+    for i in range(n_images):
         if preds is not None:
-            p = preds[i].detach().float().cpu()
-            boxes, cls, conf = p[:, :4], p[:, 5].long().tolist(), p[:, 4].tolist()
+            boxes, cls, conf = _predictions(preds[i])
         else:
-            t = targets[targets[:, 0] == i].float().cpu()
-            boxes = xywh2xyxy(t[:, 2:6] * torch.tensor([W, H, W, H]))
-            cls, conf = t[:, 1].long().tolist(), None
-        inst = masks[i].cpu() if masks is not None and cls else None
-        if inst is not None:  # labels: an overlap index map (k: the k-th target); preds: (n,h,w)
-            inst = inst == torch.arange(1, len(cls) + 1)[:, None, None] if inst.ndim == 2 else inst
-            inst = F.interpolate(inst[None].float(), size=(H, W), mode="nearest")[0].bool()
-        width = max(1, round(W / 320))
-        cells.append(draw_detections(images[i].cpu(), boxes, cls, conf, names, inst, width))
-    grid = make_grid(cells, math.ceil(math.sqrt(n)), PAD, pad_value=255)
-    grid = Image.fromarray(grid.permute(1, 2, 0).numpy())
-    grid.thumbnail((MAX_SIZE, MAX_SIZE), Image.Resampling.BILINEAR)  # only ever shrinks
-    Path(fname).parent.mkdir(parents=True, exist_ok=True)
-    grid.save(fname, quality=90)
-    return Path(fname)
+            boxes, cls, conf = _targets(targets, i, (width, height))
+        instance_masks = None
+        if masks is not None and cls:
+            image_masks = masks[i].cpu()
+            instance_masks = _instance_masks(image_masks, len(cls), (height, width))
+        cell = draw_detections(
+            images[i].cpu(),
+            boxes,
+            cls,
+            conf=conf,
+            names=names,
+            masks=instance_masks,
+            width=line_width,
+        )
+        cells.append(cell)
+    rows = math.ceil(math.sqrt(n_images))
+    grid = make_grid(cells, nrow=rows, padding=PAD, pad_value=255)
+    picture = _to_picture(grid)
+    # thumbnail only ever shrinks.
+    picture.thumbnail((MAX_SIZE, MAX_SIZE), Image.Resampling.BILINEAR)
+    path = Path(fname)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    picture.save(path, quality=90)
+    return path
+
+
+def _predictions(pred: torch.Tensor) -> tuple:
+    """One image's predictions (n,6+) -> boxes (n,4) xyxy px, classes [int], confidences [float]."""
+    pred = pred.detach().float().cpu()
+    boxes = pred[:, :4]
+    cls = pred[:, 5].long().tolist()
+    conf = pred[:, 4].tolist()
+    return boxes, cls, conf
+
+
+def _targets(targets: torch.Tensor, i: int, image_wh: tuple) -> tuple:
+    """Image i's targets of a batch's (N,6) -> boxes (n,4) xyxy px, classes [int], None."""
+    mine = targets[targets[:, 0] == i].float().cpu()
+    width, height = image_wh
+    scale = torch.tensor([width, height, width, height])
+    boxes = xywh2xyxy(mine[:, 2:6] * scale)
+    cls = mine[:, 1].long().tolist()
+    return boxes, cls, None
+
+
+def _instance_masks(masks: torch.Tensor, n: int, image_hw: tuple) -> torch.Tensor:
+    """One image's n masks as bool (n,H,W) at its size image_hw, from an overlap index map (h,w)
+    (k: the k-th target) or from bool masks (n,h,w)."""
+    if masks.ndim == 2:
+        numbers = torch.arange(1, n + 1)[:, None, None]
+        masks = masks == numbers
+    resized = F.interpolate(masks[None].float(), size=image_hw, mode="nearest")
+    return resized[0].bool()
 
 
 def draw_detections(image, boxes, cls, conf=None, names=None, masks=None, width=1, labels=True):
@@ -54,9 +97,9 @@ def draw_detections(image, boxes, cls, conf=None, names=None, masks=None, width=
     if not cls:
         return image
     colors = [PALETTE[c % len(PALETTE)] for c in cls]
-    text = [names[c] if names and c < len(names) else str(c) for c in cls]
+    text = [_class_name(c, names) for c in cls]
     if conf is not None:
-        text = [f"{s} {c:.2f}" for s, c in zip(text, conf)]
+        text = [f"{name} {score:.2f}" for name, score in zip(text, conf)]
     if masks is not None:
         image = draw_segmentation_masks(image, masks, alpha=0.5, colors=colors)
     image = draw_bounding_boxes(image, boxes, colors=colors, width=width)
@@ -65,20 +108,38 @@ def draw_detections(image, boxes, cls, conf=None, names=None, masks=None, width=
     return image
 
 
+def _class_name(cls: int, names) -> str:
+    """Class cls's name in names, or its number where names has none."""
+    if names and cls < len(names):
+        return names[cls]
+    return str(cls)
+
+
 def draw_labels(image: torch.Tensor, boxes, text: list[str], colors: list[str]) -> torch.Tensor:
     """Each box's text, white on a tab of its colour above the box's top-left corner (inside the
     box where the image ends), in a font that scales with the image: uint8 (3,H,W) -> the same."""
-    picture = Image.fromarray(image.permute(1, 2, 0).numpy())
+    picture = _to_picture(image)
     draw = ImageDraw.Draw(picture)
     font = label_font(sum(picture.size) / 2)
     for box, label, color in zip(boxes.tolist(), text, colors):
         left, top, right, bottom = draw.textbbox((0, 0), label, font=font)
-        x, y = box[0], box[1] - (bottom - top) - 2
+        # The tab holds the text and a 1 px margin.
+        x = box[0]
+        y = box[1] - (bottom - top) - 2
         if y < 0:
             y = box[1]
-        draw.rectangle((x, y, x + right - left + 2, y + bottom - top + 2), fill=color)
-        draw.text((x + 1 - left, y + 1 - top), label, fill="white", font=font)
-    return torch.from_numpy(np.array(picture)).permute(2, 0, 1)
+        tab_right = x + right - left + 2
+        tab_bottom = y + bottom - top + 2
+        draw.rectangle((x, y, tab_right, tab_bottom), fill=color)
+        origin = (x + 1 - left, y + 1 - top)
+        draw.text(origin, label, fill="white", font=font)
+    pixels = np.array(picture)
+    return torch.from_numpy(pixels).permute(2, 0, 1)
+
+
+def _to_picture(image: torch.Tensor) -> Image.Image:
+    """A uint8 (3,H,W) tensor as a PIL image."""
+    return Image.fromarray(image.permute(1, 2, 0).numpy())
 
 
 def label_font(image_size: float) -> ImageFont.ImageFont:
@@ -87,5 +148,5 @@ def label_font(image_size: float) -> ImageFont.ImageFont:
     try:
         return ImageFont.load_default(size)
     except TypeError:
-        # Pillow before 10.1 has one bitmap font of one size
+        # Pillow before 10.1 has one bitmap font of one size.
         return ImageFont.load_default()
