@@ -148,8 +148,10 @@ def check_tree(root, max_bytes: int) -> None:
     todo = [(root, "", ())]
     while todo:
         obj, name, above = todo.pop()
-        if id(obj) in above or len(above) > MAX_DEPTH:
-            raise CheckpointError(f"'{name}' contains itself or is nested over {MAX_DEPTH} deep")
+        if id(obj) in above:
+            raise CheckpointError(f"'{name}' contains itself")
+        if len(above) > MAX_DEPTH:
+            raise CheckpointError(f"'{name}' is nested over {MAX_DEPTH} deep")
         if id(obj) in seen or not isinstance(obj, CONTAINERS):
             continue
         seen.add(id(obj))
@@ -177,8 +179,10 @@ def _tensor_bytes(tensor: torch.Tensor, name: str) -> int:
     n = tensor.numel()
     sizes_strides = zip(tensor.shape, tensor.stride())
     zero_stride = any(stride == 0 and size > 1 for size, stride in sizes_strides)
-    if n > stored or zero_stride:
+    if n > stored:
         raise CheckpointError(f"tensor '{name}' declares {n} elements but stores {stored}")
+    if zero_stride:
+        raise CheckpointError(f"tensor '{name}' repeats its elements (a zero stride)")
     return n * tensor.element_size()
 
 
