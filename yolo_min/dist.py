@@ -20,13 +20,16 @@ class DistInfo(NamedTuple):
     rank: int
     world_size: int
     local_world_size: int
-    device: torch.device  # under torchrun: its node's GPU local_rank
+    # Under torchrun: its node's GPU local_rank.
+    device: torch.device
 
 
 def select_device(device: str = "") -> torch.device:
     """'' -> cuda:0 if available else cpu; 'cpu'; 'cuda'; '0' or 'cuda:1'."""
     given = str(device).strip()
-    name = given.lower() or ("cuda:0" if torch.cuda.is_available() else "cpu")
+    name = given.lower()
+    if not name:
+        name = "cuda:0" if torch.cuda.is_available() else "cpu"
     if name.isdigit():
         name = f"cuda:{name}"
     if name.startswith("cuda") and not torch.cuda.is_available():
@@ -41,11 +44,13 @@ def select_device(device: str = "") -> torch.device:
 def listed_gpus(device: str, local_rank: int, local_world_size: int, world_size: int) -> str:
     """--device '0,1': under torchrun, the GPU of this local rank ('1' for local rank 1); the list's
     length must be the node's process count. One process: ValueError with the command to use."""
-    ids = [i.strip() for i in str(device).split(",")]
-    if not all(i.isdigit() for i in ids):
+    ids = [gpu.strip() for gpu in str(device).split(",")]
+    if not all(gpu.isdigit() for gpu in ids):
         raise ValueError(f"--device {device}: not a list of GPU indices (0,1,...)")
     if world_size == 1:
-        script = " ".join(sys.argv) if sys.argv[0].endswith(".py") else "your_script.py"
+        script = "your_script.py"
+        if sys.argv[0].endswith(".py"):
+            script = " ".join(sys.argv)
         command = f"torchrun --standalone --nproc_per_node {len(ids)} {script}"
         raise ValueError(f"--device {device}: one process per GPU, started by torchrun: {command}")
     if len(ids) != local_world_size:
@@ -56,39 +61,62 @@ def listed_gpus(device: str, local_rank: int, local_world_size: int, world_size:
 
 def setup(device: str = "") -> DistInfo:
     """This process's DistInfo from torchrun's environment (none: one process) and process group."""
-    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     listed = "," in str(device)
     if listed:
-        device = listed_gpus(device, local_rank, local_size, world_size)
-    dev = select_device(device)
-    if world_size > 1 and dev.type == "cuda":
-        if (n := torch.cuda.device_count()) < local_size:  # every rank stops; rank 0 says why
-            why = f"torchrun started {local_size} processes on a node with {n} GPU(s)"
-            raise ValueError(f"{why}: --nproc_per_node {n}, or --device cpu")
+        device = listed_gpus(
+            device,
+            local_rank=local_rank,
+            local_world_size=local_size,
+            world_size=world_size,
+        )
+    chosen = select_device(device)
+    if world_size > 1 and chosen.type == "cuda":
+        n_gpus = torch.cuda.device_count()
+        # Every rank stops; rank 0's message is the one shown.
+        if n_gpus < local_size:
+            why = f"torchrun started {local_size} processes on a node with {n_gpus} GPU(s)"
+            raise ValueError(f"{why}: --nproc_per_node {n_gpus}, or --device cpu")
         if not listed:
-            # under torchrun each rank owns one GPU, its local rank's unless listed
-            dev = torch.device("cuda", local_rank)
-        torch.cuda.set_device(dev)
+            # Under torchrun each rank owns one GPU: its local rank's, unless listed.
+            chosen = torch.device("cuda", local_rank)
+        torch.cuda.set_device(chosen)
     if world_size > 1 and not dist.is_initialized():
-        # torchrun's agent keeps one store across restarts and across the groups a script makes
-        # one after another (YOLO.train, then .val): a key prefix per attempt and group stops a
-        # new group from reading the addresses of an old one (pytorch/pytorch#135712)
-        kw = dict(rank=rank, world_size=world_size, timeout=datetime.timedelta(minutes=10))
-        store, _, _ = next(dist.rendezvous("env://", **kw))  # a TCPStore with this timeout
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        group = store.add(f"yolo_min/attempt{attempt}/groups_of_rank{rank}", 1)
-        store = dist.PrefixStore(f"yolo_min/attempt{attempt}/group{group}", store)
-        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", store=store, **kw)
-    return DistInfo(rank, world_size, local_size, dev)
+        backend = "nccl" if chosen.type == "cuda" else "gloo"
+        _init_process_group(rank, world_size, backend)
+    return DistInfo(
+        rank=rank,
+        world_size=world_size,
+        local_world_size=local_size,
+        device=chosen,
+    )
+
+
+def _init_process_group(rank: int, world_size: int, backend: str) -> None:
+    """Join torchrun's process group through a store of this group's own."""
+    # torchrun's agent keeps one store across restarts and across the groups a script makes one
+    # after another (YOLO.train, then .val). A key prefix per attempt and group stops a new group
+    # from reading the addresses of an old one (pytorch/pytorch#135712).
+    timeout = datetime.timedelta(minutes=10)
+    options = dict(rank=rank, world_size=world_size, timeout=timeout)
+    # A TCPStore with this timeout.
+    store, _, _ = next(dist.rendezvous("env://", **options))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    group = store.add(f"yolo_min/attempt{attempt}/groups_of_rank{rank}", 1)
+    store = dist.PrefixStore(f"yolo_min/attempt{attempt}/group{group}", store)
+    dist.init_process_group(backend, store=store, **options)
 
 
 def torchrun_id() -> str | None:
     """Under torchrun, an id of this run that survives its restarts (None without torchrun)."""
     run_id = os.environ.get("TORCHELASTIC_RUN_ID")
-    # "none": a static rendezvous, whose rank 0's launcher lives through the restarts
-    return f"{socket.gethostname()}:{os.getppid()}" if run_id == "none" else run_id
+    # "none": a static rendezvous, whose rank 0's launcher lives through the restarts.
+    if run_id == "none":
+        return f"{socket.gethostname()}:{os.getppid()}"
+    return run_id
 
 
 def cleanup() -> None:
@@ -111,36 +139,40 @@ def barrier() -> None:
 
 def all_gather_object(obj) -> list:
     """Every rank's `obj`, in rank order."""
-    out = [obj] * (dist.get_world_size() if _active() else 1)
-    if _active():
-        dist.all_gather_object(out, obj)
+    if not _active():
+        return [obj]
+    out = [obj] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
     return out
 
 
 def broadcast_tensors(tensors) -> None:
     """Overwrite each tensor in place with rank 0's (e.g. a model's state_dict values)."""
-    for t in tensors if _active() else ():
-        dist.broadcast(t, 0)
+    if not _active():
+        return
+    for tensor in tensors:
+        dist.broadcast(tensor, 0)
 
 
-def reduce_mean(t: torch.Tensor) -> torch.Tensor:
+def reduce_mean(tensor: torch.Tensor) -> torch.Tensor:
     """The mean of a tensor over the ranks (a copy)."""
-    t = t.detach().clone()
+    mean = tensor.detach().clone()
     if _active():
-        dist.all_reduce(t)
-        t /= dist.get_world_size()
-    return t
+        dist.all_reduce(mean)
+        mean /= dist.get_world_size()
+    return mean
 
 
 def run_on_main(fn, *args):
     """fn(*args) on rank 0, its result on every rank; a ValueError there is raised on every rank."""
-    # so that no rank is left waiting in a collective for one that gave up
-    box = [None]  # rank 0's result, or the ValueError it raised
+    # Rank 0's result, or the ValueError it raised: every rank gets it, so that no rank is left
+    # waiting in a collective for one that gave up.
+    box = [None]
     if is_main():
         try:
             box = [fn(*args)]
-        except ValueError as e:
-            box = [e]
+        except ValueError as error:
+            box = [error]
     if _active():
         dist.broadcast_object_list(box, src=0)
     if isinstance(box[0], ValueError):
@@ -156,7 +188,8 @@ def main_first():
         barrier()
     try:
         yield
-    finally:  # the others are released even when the body raises on local rank 0
+    finally:
+        # The others are released even when the body raises on local rank 0.
         if first:
             barrier()
 
