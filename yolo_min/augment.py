@@ -163,7 +163,7 @@ def render(pieces: list[Piece], M: np.ndarray, out_wh: tuple, load) -> tuple:
     return out, shifts
 
 
-def _render_warped(pieces: list[Piece], M: np.ndarray, out_wh: tuple, load) -> tuple:
+def _render_warped(pieces, M, out_wh, load):
     """render for an M that rotates, shears or projects: the pieces on the canvas, warped by PIL."""
     canvas_width = math.ceil(max(piece.clip[2] for piece in pieces))
     canvas_height = math.ceil(max(piece.clip[3] for piece in pieces))
@@ -242,7 +242,7 @@ def place_labels(
     return classes[keep].astype(np.int64), boxes[keep], kept_polygons
 
 
-def _canvas_points(piece: Piece, label: dict, shift: tuple) -> tuple:
+def _canvas_points(piece, label, shift):
     """A label's polygons (NPTS points each) or boxes (their 4 corners) in canvas px, clamped to
     the piece's visible part -> x, y (n, points)."""
     height, width = label["shape"]
@@ -259,7 +259,7 @@ def _canvas_points(piece: Piece, label: dict, shift: tuple) -> tuple:
     return np.clip(x, left, right), np.clip(y, top, bottom)
 
 
-def _project(M: np.ndarray, x: np.ndarray, y: np.ndarray) -> tuple:
+def _project(M, x, y):
     """Points x, y (canvas px) through the 3x3 matrix M -> x, y (output px)."""
     # The projective divisor: exactly 1 for an affine M.
     divisor = _row_times(M[2], x, y)
@@ -268,12 +268,12 @@ def _project(M: np.ndarray, x: np.ndarray, y: np.ndarray) -> tuple:
     return out_x, out_y
 
 
-def _row_times(row: np.ndarray, x: np.ndarray, y: np.ndarray) -> np.ndarray:
+def _row_times(row, x, y):
     """A row (3,) of a 3x3 matrix times the points [x, y, 1]."""
     return row[0] * x + row[1] * y + row[2]
 
 
-def _output_boxes(x: np.ndarray, y: np.ndarray, out_wh: tuple, is_polygon: bool) -> np.ndarray:
+def _output_boxes(x, y, out_wh, is_polygon):
     """Boxes (n,4) xyxy output px of points x, y (n, points) output px, within the output."""
     width, height = out_wh
     if is_polygon:
@@ -295,7 +295,7 @@ def _output_boxes(x: np.ndarray, y: np.ndarray, out_wh: tuple, is_polygon: bool)
     return boxes
 
 
-def _box_candidates(before: np.ndarray, after: np.ndarray, is_polygon: np.ndarray) -> np.ndarray:
+def _box_candidates(before, after, is_polygon):
     """yolov5's rule for the labels to keep, from boxes (n,4) xyxy before and after the geometry
     (both in output px): wider and taller than 2 px, keeping over 1% of their area (polygons) or
     10% (boxes), aspect ratio under 100 -> (n,) bool."""

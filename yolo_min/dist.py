@@ -95,7 +95,7 @@ def setup(device: str = "") -> DistInfo:
     )
 
 
-def _init_process_group(rank: int, world_size: int, backend: str) -> None:
+def _init_process_group(rank, world_size, backend):
     """Join torchrun's process group through a store of this group's own."""
     # torchrun's agent keeps one store across restarts and across the groups a script makes one
     # after another (YOLO.train, then .val). A key prefix per attempt and group stops a new group

@@ -110,7 +110,7 @@ def ap_per_class(tp: np.ndarray, conf, pred_cls, classes, n_gt) -> dict:
     }
 
 
-def _average_precision(tp_cumsum: np.ndarray, n_positives: int) -> list[float]:
+def _average_precision(tp_cumsum, n_positives):
     """COCO AP at each IoU threshold of one class from its detections' cumulative true positives
     (N, T), by descending confidence -> T values."""
     recall = tp_cumsum / n_positives
@@ -130,7 +130,7 @@ def _average_precision(tp_cumsum: np.ndarray, n_positives: int) -> list[float]:
     return ap
 
 
-def _pr_curves(tp_cumsum: np.ndarray, conf: np.ndarray, n_positives: int) -> tuple:
+def _pr_curves(tp_cumsum, conf, n_positives):
     """Precision and recall (len(CONF_GRID),) at IoU 0.5 of one class as step functions of the
     confidence threshold x (the detections with conf >= x), from its detections' cumulative true
     positives (N,) and confidences (N,), by descending confidence."""
@@ -184,8 +184,9 @@ def summarize(records: list[dict], kinds: tuple[str, ...] = ("box",)) -> dict:
     }
 
 
-def _joined(records: list[dict], key: str, empty: np.ndarray) -> np.ndarray:
-    """The records' arrays under key, concatenated after empty (which sets the dtype)."""
+def _joined(records, key, empty):
+    """The records' (dicts') arrays under key, concatenated after the array empty (which sets the
+    dtype)."""
     return np.concatenate([empty] + [record[key] for record in records])
 
 
@@ -233,7 +234,7 @@ def summarize_classes(records: list[dict]) -> dict:
     }
 
 
-def _accuracy(hits: np.ndarray) -> dict:
+def _accuracy(hits):
     """Top-1 and top-5 accuracy of hits (n, 2) bool [top-1 hit, top-5 hit] (0 for none)."""
     if len(hits) == 0:
         return {"top1_acc": 0.0, "top5_acc": 0.0}

@@ -62,7 +62,7 @@ def draw_batch(images, targets=None, masks=None, *, fname, names=None, preds=Non
     return path
 
 
-def _predictions(pred: torch.Tensor) -> tuple:
+def _predictions(pred):
     """One image's predictions (n,6+) -> boxes (n,4) xyxy px, classes [int], confidences [float]."""
     pred = pred.detach().float().cpu()
     boxes = pred[:, :4]
@@ -71,8 +71,9 @@ def _predictions(pred: torch.Tensor) -> tuple:
     return boxes, cls, conf
 
 
-def _targets(targets: torch.Tensor, i: int, image_wh: tuple) -> tuple:
-    """Image i's targets of a batch's (N,6) -> boxes (n,4) xyxy px, classes [int], None."""
+def _targets(targets, i, image_wh):
+    """Image i's targets of a batch's (N,6) [image, cls, cx, cy, w, h] normalised, for an image of
+    image_wh (W, H) px -> boxes (n,4) xyxy px, classes [int], None (no confidences)."""
     mine = targets[targets[:, 0] == i].float().cpu()
     width, height = image_wh
     scale = torch.tensor([width, height, width, height])
@@ -81,9 +82,9 @@ def _targets(targets: torch.Tensor, i: int, image_wh: tuple) -> tuple:
     return boxes, cls, None
 
 
-def _instance_masks(masks: torch.Tensor, n: int, image_hw: tuple) -> torch.Tensor:
-    """One image's n masks as bool (n,H,W) at its size image_hw, from an overlap index map (h,w)
-    (k: the k-th target) or from bool masks (n,h,w)."""
+def _instance_masks(masks, n, image_hw):
+    """One image's n masks as bool (n,H,W) at its size image_hw (H, W), from an overlap index map
+    (h,w) (k: the k-th target) or from bool masks (n,h,w)."""
     if masks.ndim == 2:
         numbers = torch.arange(1, n + 1)[:, None, None]
         masks = masks == numbers
@@ -108,7 +109,7 @@ def draw_detections(image, boxes, cls, conf=None, names=None, masks=None, width=
     return image
 
 
-def _class_name(cls: int, names) -> str:
+def _class_name(cls, names):
     """Class cls's name in names, or its number where names has none."""
     if names and cls < len(names):
         return names[cls]
@@ -137,7 +138,7 @@ def draw_labels(image: torch.Tensor, boxes, text: list[str], colors: list[str]) 
     return torch.from_numpy(pixels).permute(2, 0, 1)
 
 
-def _to_picture(image: torch.Tensor) -> Image.Image:
+def _to_picture(image):
     """A uint8 (3,H,W) tensor as a PIL image."""
     return Image.fromarray(image.permute(1, 2, 0).numpy())
 

@@ -54,7 +54,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu") -> Model:
     return model.eval()
 
 
-def _class_names(names, model: Model) -> list[str]:
+def _class_names(names, model):
     """A checkpoint's class names (a list, or a dict's values) if they are model.nc strings; none:
     the model's "0", "1", ... (yolov5 classifiers pickle none)."""
     if isinstance(names, dict):
@@ -169,7 +169,7 @@ def check_tree(root, max_bytes: int) -> None:
         raise CheckpointError(f"its tensors hold {total} bytes, more than the file's {max_bytes}")
 
 
-def _tensor_bytes(tensor: torch.Tensor, name: str) -> int:
+def _tensor_bytes(tensor, name):
     """The bytes of a tensor's elements, if it stores them all, densely, on the CPU."""
     # Any other tensor stores none of the file's data.
     dense = tensor.layout == torch.strided and tensor.device.type == "cpu"
@@ -186,7 +186,7 @@ def _tensor_bytes(tensor: torch.Tensor, name: str) -> int:
     return n * tensor.element_size()
 
 
-def _item_name(name: str, key) -> str:
+def _item_name(name, key):
     """The name of the item at key of the object called name: "name.key" (key cut to 40
     characters), or name for a key starting with "_" (a module's _modules, _parameters, ...)."""
     key = str(key)

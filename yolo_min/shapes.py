@@ -51,7 +51,7 @@ def make_image(rng: np.random.Generator, size: int = SIZE) -> tuple[Image.Image,
     return Image.fromarray(pixels), labels
 
 
-def _free_spot(rng: np.random.Generator, size: int, placed: list) -> tuple | None:
+def _free_spot(rng, size, placed):
     """A random circle (centre (2,), radius) in pixels inside the image and 4 px clear of the
     placed ones, in at most 30 tries; else None."""
     for _ in range(30):
@@ -66,7 +66,7 @@ def _free_spot(rng: np.random.Generator, size: int, placed: list) -> tuple | Non
     return None
 
 
-def _shape_polygon(rng: np.random.Generator, kind: int, centre, radius: float) -> np.ndarray:
+def _shape_polygon(rng, kind, centre, radius):
     """The polygon (k,2) [x, y] in pixels of a shape of class kind, randomly turned, within the
     circle of centre and radius."""
     turn = rng.uniform(0, 2 * math.pi)
@@ -89,7 +89,7 @@ def _shape_polygon(rng: np.random.Generator, kind: int, centre, radius: float) -
     return centre + np.stack([x, y], 1)
 
 
-def _class_colour(rng: np.random.Generator, kind: int) -> tuple[int, int, int]:
+def _class_colour(rng, kind):
     """A random (r, g, b) colour of class kind's band of hues, at full saturation and value."""
     hue = (kind / 3 + rng.uniform(-HUE_SPREAD, HUE_SPREAD)) % 1
     rgb = []
@@ -124,8 +124,9 @@ def generate(root: Path, n_train=N_TRAIN, n_val=N_VAL, size=SIZE, seed=0) -> Non
     (root / "shapes.yaml").write_text(config)
 
 
-def _label_line(kind: int, polygon: np.ndarray) -> str:
-    """A YOLO polygon label line: the class, then the points' x y, normalised."""
+def _label_line(kind, polygon):
+    """A YOLO polygon label line of class kind and polygon (k,2) [x, y] normalised: the class,
+    then each point's x y, with a newline."""
     values = [f"{v:.6f}" for v in polygon.ravel()]
     return " ".join([str(kind), *values]) + "\n"
 
