@@ -207,12 +207,12 @@ def place_labels(
     pieces: list,
     labels: list,
     M: np.ndarray,
-    sc: float,
+    scale: float,
     out_wh: tuple,
     shifts: list,
 ):
     """Label dicts of the pieces through the geometry -> cls (n,), boxes (n,4) xyxy output px,
-    polygons ((NPTS,2) output px; None: a box). sc: the affine's scale; shifts: render's."""
+    polygons ((NPTS,2) output px; None: a box). scale: the affine's; shifts: render's."""
     # Per label: its class, its box before (canvas px) and after (output px), whether it is a
     # polygon. Each list starts with an empty part, which sets the dtypes (float64 boxes).
     classes = [np.zeros(0, np.int64)]
@@ -235,7 +235,7 @@ def place_labels(
         classes.append(label["cls"])
         is_polygon.append(np.full(len(out_x), has_polygons))
     classes = np.concatenate(classes)
-    before = np.concatenate(before) * sc
+    before = np.concatenate(before) * scale
     boxes = np.concatenate(after).astype(np.float32)
     keep = _box_candidates(before, boxes, np.concatenate(is_polygon))
     kept_polygons = [poly for poly, kept in zip(polygons, keep) if kept]

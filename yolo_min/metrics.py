@@ -87,7 +87,7 @@ def ap_per_class(tp: np.ndarray, conf, pred_cls, classes, n_gt) -> dict:
     ap = np.zeros((n_classes, tp.shape[1]))
     p_curve = np.zeros((n_classes, len(CONF_GRID)))
     r_curve = np.zeros((n_classes, len(CONF_GRID)))
-    for k, (cls, n_positives) in enumerate(zip(classes, n_gt)):
+    for row, (cls, n_positives) in enumerate(zip(classes, n_gt)):
         selected = np.flatnonzero(pred_cls == cls)
         # A class without detections: AP 0, P 0, R 0.
         if len(selected) == 0:
@@ -95,10 +95,10 @@ def ap_per_class(tp: np.ndarray, conf, pred_cls, classes, n_gt) -> dict:
         # By descending confidence, stable as COCOeval's mergesort.
         order = selected[np.argsort(-conf[selected], kind="mergesort")]
         tp_cumsum = np.cumsum(tp[order], 0).astype(np.float64)
-        ap[k] = _average_precision(tp_cumsum, n_positives)
+        ap[row] = _average_precision(tp_cumsum, n_positives)
         precision, recall = _pr_curves(tp_cumsum[:, 0], conf[order], n_positives)
-        p_curve[k] = precision
-        r_curve[k] = recall
+        p_curve[row] = precision
+        r_curve[row] = recall
     f1 = 2 * p_curve * r_curve / (p_curve + r_curve + 1e-16)
     # The confidence of the best F1, averaged over the classes.
     best = int(f1.mean(0).argmax()) if n_classes else 0
@@ -123,10 +123,10 @@ def _average_precision(tp_cumsum, n_positives):
     # And 0 past the last recall.
     envelope = np.pad(envelope, ((0, 1), (0, 0)))
     ap = []
-    for t in range(tp_cumsum.shape[1]):
+    for column in range(tp_cumsum.shape[1]):
         # At each recall point: the envelope at the first detection reaching it.
-        reaching = np.searchsorted(recall[:, t], RECALL_POINTS)
-        ap.append(envelope[reaching, t].mean())
+        reaching = np.searchsorted(recall[:, column], RECALL_POINTS)
+        ap.append(envelope[reaching, column].mean())
     return ap
 
 

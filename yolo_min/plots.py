@@ -19,8 +19,9 @@ PALETTE = (
 ).split()
 # At most this many images in a grid.
 MAX_IMAGES = 16
-# The grid's longest side, and the gap between its images (pixels).
+# The grid's longest side (pixels).
 MAX_SIZE = 1920
+# The gap between its images (pixels).
 PAD = 4
 
 
@@ -51,8 +52,8 @@ def draw_batch(images, targets=None, masks=None, *, fname, names=None, preds=Non
             width=line_width,
         )
         cells.append(cell)
-    rows = math.ceil(math.sqrt(n_images))
-    grid = make_grid(cells, nrow=rows, padding=PAD, pad_value=255)
+    per_row = math.ceil(math.sqrt(n_images))
+    grid = make_grid(cells, nrow=per_row, padding=PAD, pad_value=255)
     picture = _to_picture(grid)
     # thumbnail only ever shrinks.
     picture.thumbnail((MAX_SIZE, MAX_SIZE), Image.Resampling.BILINEAR)

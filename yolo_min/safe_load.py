@@ -30,11 +30,11 @@ CONTAINERS = (torch.Tensor, dict, list, tuple, set)
 
 def load_model(path: str | Path, device: str | torch.device = "cpu") -> Model:
     """A float32 eval-mode Model from a yolo_min or yolov5 checkpoint (EMA preferred)."""
-    ckpt = read_checked(path)
+    checkpoint = read_checked(path)
     with one_line_errors(f"{path}: "):
         weights = None
-        if isinstance(ckpt, dict):
-            weights = ckpt.get("ema") or ckpt.get("model")
+        if isinstance(checkpoint, dict):
+            weights = checkpoint.get("ema") or checkpoint.get("model")
         if isinstance(weights, _Record):
             # yolov5: a pickled module tree.
             cfg = weights.get("yaml")
@@ -44,8 +44,8 @@ def load_model(path: str | Path, device: str | torch.device = "cpu") -> Model:
             if kind == "ClassificationModel":
                 cfg = _classifier_cfg(weights)
         elif isinstance(weights, dict):
-            cfg = ckpt.get("model_cfg")
-            names = ckpt.get("names")
+            cfg = checkpoint.get("model_cfg")
+            names = checkpoint.get("names")
         else:
             raise CheckpointError("neither a yolo_min nor a yolov5 checkpoint")
         model = fitting_model(cfg, weights).to_empty(device=device)
@@ -176,14 +176,15 @@ def _tensor_bytes(tensor, name):
     stored = 0
     if dense:
         stored = tensor.untyped_storage().nbytes() // tensor.element_size()
-    n = tensor.numel()
+    n_elements = tensor.numel()
     sizes_strides = zip(tensor.shape, tensor.stride())
     zero_stride = any(stride == 0 and size > 1 for size, stride in sizes_strides)
-    if n > stored:
-        raise CheckpointError(f"tensor '{name}' declares {n} elements but stores {stored}")
+    if n_elements > stored:
+        message = f"tensor '{name}' declares {n_elements} elements but stores {stored}"
+        raise CheckpointError(message)
     if zero_stride:
         raise CheckpointError(f"tensor '{name}' repeats its elements (a zero stride)")
-    return n * tensor.element_size()
+    return n_elements * tensor.element_size()
 
 
 def _item_name(name, key):
