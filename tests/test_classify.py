@@ -255,7 +255,7 @@ def capture_inputs(monkeypatch) -> list:
         model.register_forward_pre_hook(lambda m, args: seen.append(args[0].detach().clone()))
         return model
 
-    monkeypatch.setattr(predict, "load_model", load)
+    monkeypatch.setattr(predictor, "load_model", load)
     return seen
 
 

@@ -15,6 +15,7 @@ import torch
 from PIL import Image
 
 from yolo_min import cli, ops, predictor, trainer, validator
+from yolo_min.models import Model, amp_dtype
 from yolo_min.safe_load import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -121,14 +122,14 @@ def test_letterbox_splits_odd_padding_as_yolov5(portrait):
     turn = (lambda t: t.transpose(-1, -2)) if portrait else (lambda t: t)  # (..., h, w): landscape
     # 427x640 at 128: r 0.2, 85.4 -> 85 rows on a 96-row canvas, d = 11: 5 grey rows, 85, 6
     image = torch.zeros(640, 427, 3) if portrait else torch.zeros(427, 640, 3)
-    canvas, ((rh, rw), pad) = predict.letterbox(image.byte(), 128, 32)
+    canvas, ((rh, rw), pad) = predictor.letterbox(image.byte(), 128, 32)
     canvas = turn(canvas)
     assert canvas.shape == (3, 96, 128) and (canvas[:, 5:90] == 0).all()
     assert grey_lines(canvas) == [*range(5), *range(90, 96)]
     assert rh == rw == 0.2 and pytest.approx(pad[::-1] if portrait else pad) == (0.0, 5.3)
     # 85x128 at 128, not resized: its pixels, from row 5
     image = torch.randint(0, 256, (3, 85, 128), generator=torch.Generator().manual_seed(0))
-    canvas, ratio_pad = predict.letterbox(turn(image.byte()).permute(1, 2, 0), 128, 32)
+    canvas, ratio_pad = predictor.letterbox(turn(image.byte()).permute(1, 2, 0), 128, 32)
     canvas = turn(canvas)
     assert canvas.shape == (3, 96, 128) and torch.equal(canvas[:, 5:90], image.byte())
     assert (canvas[:, :5] == 114).all() and (canvas[:, 90:] == 114).all()
@@ -148,7 +149,7 @@ def test_scale_masks_and_boxes_invert_odd_letterbox(h0, portrait):
     mask[50:150], mask[:, 100:200] = False, False  # a black cross, a white box at its centre:
     mask[50:150, 100:200] = True  # original rows 50-149, columns 100-199
     image = turn(mask.byte() * 255)[..., None].expand(*hw, 3).contiguous()
-    canvas, ratio_pad = predict.letterbox(image, 128, 32)
+    canvas, ratio_pad = predictor.letterbox(image, 128, 32)
     assert grey_lines(turn(canvas)) == [*range(5), *range(90, 96)]
     rows = torch.zeros(96, 128, dtype=torch.bool)
     rows[5:90] = True
@@ -272,6 +273,37 @@ def test_detect_txt_and_json_agree(fixtures_dir, tmp_path):
         assert np.allclose(box, d["box"], atol=1e-3) and np.allclose(box, box.round(), atol=1e-3)
         crop = Image.open(out / "crops" / d["name"] / f"wide01_{k}.jpg")
         assert crop.size == (round(box[2] - box[0]), round(box[3] - box[1]))
+
+
+def test_amp_auto_runs_fp32_on_a_cpu(tmp_path, monkeypatch):
+    """On a CPU with native bfloat16, where val.py's --amp auto is bf16, predict.py's --amp auto
+    runs every convolution in float32 (bf16 moved detections across the thresholds); --amp on,
+    bf16 but Detect's (kept in float32)."""
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"avx512_bf16": True})
+    assert amp_dtype(torch.device("cpu"), "auto") == torch.bfloat16  # val.py's auto here
+    model = Model("yolov5n.yaml", nc=2)
+    state = {"model_cfg": model.yaml, "model": model.state_dict(), "names": ["a", "b"]}
+    torch.save(state, tmp_path / "det.pt")
+    n_convs = sum(isinstance(m, torch.nn.Conv2d) for m in model.modules())  # all of them run
+    image = np.random.default_rng(0).integers(0, 256, (48, 64, 3), np.uint8)
+    Image.fromarray(image).save(tmp_path / "im.png")
+    seen, real_fuse = {}, Model.fuse
+
+    def fuse(self):  # hooks on the convolutions predict.py runs (fuse replaces most)
+        for name, m in real_fuse(self).named_modules():
+            if isinstance(m, torch.nn.Conv2d):
+                m.register_forward_hook(lambda m, args, y, name=name: seen.update({name: y.dtype}))
+        return self
+
+    monkeypatch.setattr(Model, "fuse", fuse)
+    opts = dict(source=str(tmp_path / "im.png"), imgsz=64, device="cpu", nosave=True)
+    for amp in ("auto", "on"):
+        seen.clear()
+        predictor.run(weights=str(tmp_path / "det.pt"), amp=amp, project=str(tmp_path), **opts)
+        head = {k: v for k, v in seen.items() if k.startswith("model.24.")}  # Detect's
+        assert len(seen) == n_convs and len(head) == 3 and set(head.values()) == {torch.float32}
+        body = {v for k, v in seen.items() if k not in head}
+        assert body == {torch.bfloat16 if amp == "on" else torch.float32}, amp
 
 
 def run_cli(*args):
