@@ -620,7 +620,7 @@ def test_read_only_labels_are_left_untouched(data_dir, tmp_path, capsys):
     """Labels in a folder marked read-only get no cache (even as root, who ignores the bits): one
     warning, and the labels are verified again next time."""
     root = tmp_path / "coco8"
-    shutil.copytree(data_dir / "coco8", root)
+    shutil.copytree(data_dir / "coco8", root, ignore=shutil.ignore_patterns("*.cache"))
     labels = root / "labels"
     for folder in (labels, labels / "train"):
         folder.chmod(0o555)
