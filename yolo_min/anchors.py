@@ -56,8 +56,8 @@ def kmeans(points: np.ndarray, k: int, rng: np.random.Generator, iters: int = 30
         distances = (differences**2).sum(2)
         nearest = distances.argmin(1)
         # A centre that no point is nearest to stays where it is.
-        for j in np.unique(nearest):
-            centres[j] = points[nearest == j].mean(0)
+        for centre in np.unique(nearest):
+            centres[centre] = points[nearest == centre].mean(0)
     return centres
 
 

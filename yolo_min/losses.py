@@ -29,14 +29,15 @@ _OFFSETS = torch.tensor(
 )
 
 
-def scale_hyp(hyp: dict, nc: int, imgsz: int, nl: int = 3) -> dict:
-    """A copy of hyp with the loss gains box, cls, obj rescaled for nc classes, imgsz, nl levels."""
+def scale_hyp(hyp: dict, num_classes: int, image_size: int, num_levels: int = 3) -> dict:
+    """A copy of hyp with the loss gains box, cls, obj rescaled for the number of classes, the
+    image size in pixels and the number of levels."""
     # hyp's gains are tuned for 80 classes, 640 pixels and 3 levels. Training rescales them so
     # that cls follows the number of classes, obj the cells per image, and all 1 / levels.
     gains = {
-        "box": 3 / nl,
-        "cls": nc / 80 * 3 / nl,
-        "obj": (imgsz / 640) ** 2 * 3 / nl,
+        "box": 3 / num_levels,
+        "cls": num_classes / 80 * 3 / num_levels,
+        "obj": (image_size / 640) ** 2 * 3 / num_levels,
     }
     scaled = {key: hyp[key] * gain for key, gain in gains.items()}
     return hyp | scaled
@@ -136,8 +137,8 @@ def mask_loss(levels: list, protos: Tensor, masks: Tensor) -> Tensor:
             logits = level.coefs[mine] @ protos[image].flatten(1)
             logits = logits.view(-1, mask_h, mask_w)
             value = level.mask_value[mine].view(-1, 1, 1)
-            gt = (masks[image] == value).float()
-            bce = F.binary_cross_entropy_with_logits(logits, gt, reduction="none")
+            target_mask = (masks[image] == value).float()
+            bce = F.binary_cross_entropy_with_logits(logits, target_mask, reduction="none")
             # A pixel is in the box when x1 <= column < x2 and y1 <= row < y2, in mask pixels.
             pixel_box = box * box.new_tensor([mask_w, mask_h, mask_w, mask_h])
             x, y, w, h = pixel_box.view(-1, 4, 1, 1).unbind(1)
@@ -178,7 +179,7 @@ def mask_loss_fast(levels: list, protos: Tensor, masks: Tensor) -> Tensor:
     image = torch.cat([level.image for level in levels])
     order = torch.argsort(image, stable=True)
     image = image[order]
-    # Each positive's (level, image) group: the loss is the sum of the groups' means.
+    # Each positive belongs to a (level, image) group; the loss sums the groups' means.
     groups = [level.level * batch_size + level.image for level in levels]
     group = torch.cat(groups)[order]
     coefs = torch.cat([level.coefs for level in levels])[order]
@@ -198,7 +199,7 @@ def mask_loss_fast(levels: list, protos: Tensor, masks: Tensor) -> Tensor:
     first_positive = positives_per_image.cumsum(0) - positives_per_image
     pairs_per_image = torch.zeros_like(first_positive).index_add(0, image, box_w * box_h)
     pairs_per_image = pairs_per_image.tolist()
-    # No box holds a pixel: the loss is 0, with no graph to the protos.
+    # When no box holds a pixel, the loss is 0, with no graph to the protos.
     if not sum(pairs_per_image):
         return box.new_zeros(())
     # A run is one row of a box's pixels: the pairs are built run by run, in few passes over them.
@@ -206,13 +207,14 @@ def mask_loss_fast(levels: list, protos: Tensor, masks: Tensor) -> Tensor:
     run_pixel = (row_start[run_positive] + row_in_box) * mask_w + col_start[run_positive]
     pair_run, column_in_run = _runs(box_w[run_positive])
     pair_positive = run_positive[pair_run]
-    # The pairs' places in their image's (positives, pixels) logits and in the masks.
+    # logit_index and mask_index are the pairs' places in their image's (positives, pixels)
+    # logits and in the masks.
     run_image = image[run_positive]
     run_logit = (run_positive - first_positive[run_image]) * pixels_per_map + run_pixel
     logit_index = run_logit[pair_run] + column_in_run
     run_mask = run_image * pixels_per_map + run_pixel
     mask_index = run_mask[pair_run] + column_in_run
-    # The protos unbound per image: one backward for all images, not one each.
+    # The protos are unbound per image so that autograd runs one backward for all images.
     per_image = zip(
         coefs.split(positives_per_image.tolist()),
         protos.view(batch_size, num_masks, -1).unbind(0),
@@ -223,14 +225,13 @@ def mask_loss_fast(levels: list, protos: Tensor, masks: Tensor) -> Tensor:
         if len(index):
             logits.append((image_coefs @ image_protos).view(-1)[index])
     logits = torch.cat(logits)
-    gt = masks.reshape(-1)[mask_index] == mask_value[pair_positive]
-    gt = gt.to(protos.dtype)
-    per_pair = F.binary_cross_entropy_with_logits(logits, gt, reduction="none")
-    # Per positive: the sum over its pairs / the map's pixels / the normalised box area.
+    in_mask = masks.reshape(-1)[mask_index] == mask_value[pair_positive]
+    in_mask = in_mask.to(protos.dtype)
+    per_pair = F.binary_cross_entropy_with_logits(logits, in_mask, reduction="none")
+    # A positive's loss is the sum over its pairs / the map's pixels / the normalised box area.
     per_positive = box.new_zeros(len(box))
     per_positive = per_positive.index_add(0, pair_positive, per_pair.float())
     per_positive = per_positive / pixels_per_map / box[:, 2:].prod(1)
-    # The mean per (level, image) group, summed.
     num_groups = (levels[-1].level + 1) * batch_size
     total = per_positive.new_zeros(num_groups).index_add(0, group, per_positive)
     counts = torch.bincount(group, minlength=num_groups)
@@ -256,14 +257,14 @@ class YOLOLoss:
         self.nm = self.head.nm
         self.hyp = dict(hyp)
         self.world_size = world_size
-        # Objectness weights per level, from the finest.
+        # The objectness loss weighs the levels, from the finest.
         self.balance = [4.0, 1.0, 0.4]
         if self.nl != 3:
             self.balance = [4.0, 1.0, 0.25, 0.06, 0.02][: self.nl]
         device = next(model.parameters()).device
         self.cls_pw = torch.tensor([hyp["cls_pw"]], device=device)
         self.obj_pw = torch.tensor([hyp["obj_pw"]], device=device)
-        # Label smoothing: the class targets of positives and negatives.
+        # Label smoothing moves the class targets of positives and negatives towards 0.5.
         smoothing = hyp.get("label_smoothing", 0.0)
         self.class_positive = 1.0 - 0.5 * smoothing
         self.class_negative = 0.5 * smoothing
@@ -284,7 +285,7 @@ class YOLOLoss:
 
     def _assign(self, level: int, targets: Tensor, ny, nx) -> Assignment:
         """The positives of `level`, whose maps are ny x nx cells; targets (N, 6) as __call__'s."""
-        # (na, 2) grid units.
+        # The level's anchors (na, 2) are in grid units, as are the boxes below.
         anchors = self.head.anchors[level].to(targets.device)
         gain = targets.new_tensor([nx, ny, nx, ny])
         grid_xywh = targets[:, 2:6] * gain
@@ -294,11 +295,12 @@ class YOLOLoss:
         kept = worst < self.hyp["anchor_t"]
         anchor, target = kept.nonzero(as_tuple=True)
         xy = grid_xywh[target, :2]
-        # The distance to the right and lower borders.
+        # xy_inverse is the centre's distance to the right and lower borders.
         xy_inverse = gain[:2] - xy
         near_low = (xy % 1 < 0.5) & (xy > 1)
         near_high = (xy_inverse % 1 < 0.5) & (xy_inverse > 1)
-        # (5, n): the pair's own cell, and the neighbours next to its centre.
+        # use (5, n) marks the cells a pair is assigned to: its own, and the neighbours near its
+        # centre.
         own = torch.ones_like(near_low[:, :1])
         use = torch.cat((own, near_low, near_high), 1).T
         offset, pair = use.nonzero(as_tuple=True)
@@ -338,7 +340,7 @@ class YOLOLoss:
         obj_loss = torch.zeros(1, device=device)
         cls_loss = torch.zeros(1, device=device)
         seg_loss = torch.zeros(1, device=device)
-        # Per level with positives: (level, its Assignment, the positives' mask coefficients).
+        # found holds, per level with positives, (level, its Assignment, the mask coefficients).
         found = []
         for level, level_map in enumerate(maps):
             _, _, ny, nx, _ = level_map.shape

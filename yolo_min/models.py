@@ -137,7 +137,7 @@ class Detect(nn.Module):
         self.register_buffer("anchors", anchors_wh)
         out_channels = self.no * self.na
         self.m = nn.ModuleList(nn.Conv2d(c, out_channels, 1) for c in in_channels)
-        # self.stride (nl,): the levels' strides in input pixels, which Model measures.
+        # Model measures self.stride (nl,), the levels' strides in input pixels.
 
     def forward(self, features: list[torch.Tensor]):
         raw = []
@@ -160,7 +160,7 @@ class Detect(nn.Module):
         """Level `level`'s raw map (bs, na, ny, nx, no) -> (bs, na * ny * nx, no) decoded."""
         _, _, ny, nx, _ = x.shape
         cols, rows = torch.meshgrid(torch.arange(nx), torch.arange(ny), indexing="xy")
-        # (ny, nx, 2): each cell's [x, y].
+        # grid (ny, nx, 2) holds each cell's [x, y].
         grid = torch.stack((cols, rows), 2)
         stride = self.stride[level]
         anchors_px = self.anchors[level] * stride
@@ -203,7 +203,7 @@ class Classify(nn.Module):
     def __init__(self, in_channels: int, num_classes: int = 1000, dropout: float = 0.0):
         super().__init__()
         self.nc = num_classes
-        # EfficientNet-B0's head width, with torch's BatchNorm defaults as yolov5's Classify keeps.
+        # EfficientNet-B0's head width, with torch's BatchNorm defaults, as yolov5's Classify has.
         self.conv = Conv(in_channels, 1280)
         self.conv.bn.eps = 1e-5
         self.conv.bn.momentum = 0.1
@@ -216,7 +216,7 @@ class Classify(nn.Module):
         return self.linear(self.drop(pooled))
 
 
-# The only names a config may use: a table, never eval().
+# A config may use only these names: a table, never eval().
 MODULES = {
     "Conv": Conv,
     "C3": C3,
@@ -228,7 +228,7 @@ MODULES = {
     "Segment": Segment,
     "Classify": Classify,
 }
-# The task, from the last layer's type.
+# The task follows from the last layer's type.
 TASKS = {Detect: "detect", Segment: "segment", Classify: "classify"}
 
 
@@ -366,7 +366,8 @@ def parse_model(cfg: dict, where: str) -> tuple[nn.Sequential, list[int]]:
     symbols = {"nc": cfg["nc"], "anchors": cfg.get("anchors"), "None": None}
     layers = []
     reused = []
-    # Output channels by layer; -1: the last layer's (at first the image's).
+    # channels maps each layer to its output channels; -1 is the last layer so far (at first, the
+    # image).
     channels = {-1: 3}
     for index, row in enumerate(cfg["backbone"] + cfg["head"]):
         at = f"{where}: layer {index}"
@@ -426,11 +427,12 @@ class Model(nn.Module):
         if self.task != "classify":
             self._measure_strides()
             self._init_biases()
-        # (nl,) float: [8, 16, 32] ([32]: Classify's input).
+        # The strides (nl,), float: [8, 16, 32] for detection, [32] for Classify's input.
         self.stride = head.stride
 
     @property
-    def head(self) -> Detect | Classify:  # or Segment
+    def head(self) -> Detect | Classify:
+        """The last layer: a Detect (or Segment, a Detect) or a Classify head."""
         return self.model[-1]
 
     def _measure_strides(self) -> None:
@@ -441,7 +443,7 @@ class Model(nn.Module):
         maps = out
         if self.task == "segment":
             maps = out[0]
-        # On the CPU also when the model is built on the meta device.
+        # The strides live on the CPU, also when the model is built on the meta device.
         strides = [256 / x.shape[-3] for x in maps]
         head.stride = torch.tensor(strides, device="cpu")
         head.anchors /= head.stride.view(-1, 1, 1)
@@ -493,7 +495,7 @@ class ModelEMA:
     def update(self, model: nn.Module) -> None:
         """After an optimizer step: ema = decay * ema + (1 - decay) * model."""
         self.updates += 1
-        # A short memory early in training.
+        # The decay ramps up from 0, so that the average forgets fast early in training.
         decay = 0.9999 * (1 - math.exp(-self.updates / 2000))
         state = de_parallel(model).state_dict()
         for name, value in self.ema.state_dict().items():
