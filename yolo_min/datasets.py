@@ -10,7 +10,6 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-import yaml
 from PIL import Image, ImageOps
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from torchvision.datasets.folder import ImageFolder
@@ -18,6 +17,7 @@ from torchvision.transforms import v2
 
 from . import shapes
 from .augment import Piece, affine_matrix, hsv_jitter, overlap_mask, place_labels, render
+from .files import FileError, read_yaml
 from .labels import CORRUPT, MAX_WARNINGS, DataError, list_images, load_labels, thread_map, verify
 from .ops import box_corners, xywh2xyxy, xyxy2xywh
 
@@ -32,12 +32,12 @@ def load_data_config(path: str) -> dict:
         p = shapes.ensure(kind) / "shapes.yaml" if kind == "shapes" else shapes.ensure(kind)
     if p.is_dir():
         return load_folder_data(p)
-    if not p.is_file():
+    if not p.exists():
         raise DataError(f"data yaml {path} not found")
     try:
-        cfg = yaml.safe_load(p.read_text())
-    except (yaml.YAMLError, UnicodeDecodeError) as e:
-        raise DataError(f"{p}: not valid YAML ({str(e).splitlines()[0]})") from None
+        cfg = read_yaml(p, "data yaml")
+    except FileError as e:
+        raise DataError(str(e)) from None
     missing = [k for k in ("train", "val", "names") if not isinstance(cfg, dict) or not cfg.get(k)]
     if missing:
         raise DataError(f"{p}: missing key(s) {', '.join(missing)}")

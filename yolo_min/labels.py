@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import stat
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -13,11 +14,14 @@ import numpy as np
 import torch
 from PIL import Image
 
+from .files import FileError, read_text
 from .ops import box_corners, xywh2xyxy, xyxy2xywh
 
 IMG_FORMATS = ("bmp", "jpeg", "jpg", "png", "tif", "tiff", "webp")
 CACHE_VERSION = "yolo_min-labels-3"
 MAX_WARNINGS = 100  # printed per dataset; all are counted
+MAX_LABEL_BYTES = 10_000_000  # a label file (a COCO image's: under 10 KB; 1000 polygons: ~5 MB)
+MAX_LIST_BYTES = 200_000_000  # a .txt image list (COCO train2017's: 5 MB)
 SLACK, TOL = 1e-3, 0.05  # coordinates this far outside [0,1]: clipped silently / with a warning
 FOUND, MISSING, EMPTY, CORRUPT = range(4)
 OPEN_ERRORS = {
@@ -58,9 +62,10 @@ def list_images(sources, prefix: str = "", verbose: bool = True) -> list[str]:
             found = sorted(f for f in src.rglob("*") if f.is_file())
         elif src.suffix == ".txt":
             try:
-                found = [src.parent / s.strip() for s in src.read_text().splitlines() if s.strip()]
-            except (OSError, UnicodeDecodeError) as e:
-                raise DataError(f"{prefix}cannot read image list {src} ({e})") from None
+                text = read_text(src, MAX_LIST_BYTES, "image list")
+            except FileError as e:
+                raise DataError(f"{prefix}{e}") from None
+            found = [src.parent / s.strip() for s in text.splitlines() if s.strip()]
         else:
             found = [src]
         for f in found:
@@ -131,7 +136,10 @@ def verify(im_file: str, lb_file: str, nc: int | None = None) -> tuple:
         return CORRUPT, (0, 0), [], [f"{im_file}: {why}; image skipped"], 0, 0
 
     try:
-        if os.path.getsize(im_file) == 0:
+        st = os.stat(im_file)
+        if not stat.S_ISREG(st.st_mode):  # a FIFO would block, a device never end
+            return bad("not a regular file (a FIFO, device or socket)")
+        if st.st_size == 0:
             return bad("empty (0-byte) file")
         with Image.open(im_file) as im:
             (w, h), fmt = im.size, im.format
@@ -151,9 +159,10 @@ def verify(im_file: str, lb_file: str, nc: int | None = None) -> tuple:
     if not os.path.exists(lb_file):
         return MISSING, (h, w), [], msgs, 0, 0
     try:
-        rows, m, dropped, fixed = parse_labels(Path(lb_file).read_text("utf-8"), lb_file, nc)
-    except (OSError, UnicodeDecodeError) as e:
-        return bad(f"label file {lb_file} unreadable ({type(e).__name__}: {e})")
+        text = read_text(lb_file, MAX_LABEL_BYTES)
+    except FileError as e:
+        return bad(f"label file {lb_file} unreadable ({str(e).removeprefix(f'{lb_file}: ')})")
+    rows, m, dropped, fixed = parse_labels(text, lb_file, nc)
     if dropped and not rows:
         m.append(f"{im_file}: no valid label rows in {lb_file}; image skipped")
         return CORRUPT, (h, w), [], msgs + m, dropped, fixed
@@ -186,6 +195,8 @@ def _load_or_build(files: list, nc, prefix: str, verbose: bool) -> dict:
         h.update(f"{f}|{s and (s.st_size, s.st_mtime_ns, s.st_mode)}\n".encode())
     key, path = h.hexdigest(), Path(os.path.dirname(lb_files[0]) + ".cache")
     with contextlib.suppress(Exception):  # absent, another format or damaged: verify again
+        if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO would block torch.load
+            raise FileError(f"{path}: not a regular file")
         data = torch.load(path, weights_only=True)  # tensors, lists, numbers, strings: no code
         if data["key"] == key:
             return data

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
-import yaml
 from torch.nn.utils import fuse_conv_bn_eval
+
+from .files import read_yaml
 
 CFG_DIR = Path(__file__).parent / "cfg"
 
@@ -190,10 +191,10 @@ def load_cfg(cfg: str | Path | dict) -> tuple[dict, str]:
     if isinstance(cfg, dict):
         return deepcopy(cfg), "model cfg"
     path = Path(cfg) if Path(cfg).exists() else CFG_DIR / Path(cfg).name
-    if not path.is_file():
+    if not path.exists():  # one that is not a regular file: read_yaml says so
         shipped = ", ".join(sorted(p.name for p in CFG_DIR.glob("yolov5*.yaml")))
         raise FileNotFoundError(f"model cfg '{cfg}' not found (shipped configs: {shipped})")
-    return yaml.safe_load(path.read_text()), str(path)
+    return read_yaml(path, "model cfg"), str(path)
 
 
 # What a config may hold, checked before anything is built (a checkpoint's config is untrusted)
