@@ -12,13 +12,22 @@ import torch
 import torch.nn.functional as F
 from PIL import Image, ImageOps
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
-from torchvision.datasets.folder import ImageFolder
+from torchvision.datasets.folder import IMG_EXTENSIONS, ImageFolder
 from torchvision.transforms import v2
 
 from . import shapes
 from .augment import Piece, affine_matrix, hsv_jitter, overlap_mask, place_labels, render
 from .files import FileError, read_yaml
-from .labels import CORRUPT, MAX_WARNINGS, DataError, list_images, load_labels, thread_map, verify
+from .labels import (
+    CORRUPT,
+    MAX_WARNINGS,
+    DataError,
+    Walk,
+    list_images,
+    load_labels,
+    thread_map,
+    verify,
+)
 from .ops import box_corners, xywh2xyxy, xyxy2xywh
 
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # RGB, pixels in [0, 1]
@@ -254,11 +263,25 @@ class ClassifyDataset(ImageFolder):
         self.imgs, self.targets = self.samples, [k for _, k in self.samples]
         self.stats = dict(images=len(checks), corrupt=len(checks) - len(self.samples))
         if verbose:
+            self.walk.warn(prefix)
             for m in [m for c in checks for m in c[3]][:MAX_WARNINGS]:
                 print(f"WARNING {prefix}{m}", flush=True)
             print(f"{prefix}{len(checks)} images, {self.stats['corrupt']} corrupt", flush=True)
         if not self.samples:
             raise DataError(f"{prefix}no usable images in {root}: all are corrupt")
+
+    def make_dataset(self, directory, class_to_idx, extensions=None, is_valid_file=None, **kw):
+        """(path, class) of the images under directory/<class>/: ImageFolder's, but each real file
+        once and regular files only (see labels.Walk; ImageFolder follows links round a loop)."""
+        walk, samples = Walk(), []
+        classes = sorted(class_to_idx.items(), key=lambda item: item[1])
+        walk.claim([directory, *(os.path.join(directory, name) for name, _ in classes)])
+        for name, k in classes:
+            for f in walk.files(os.path.join(directory, name)):
+                if f.lower().endswith(extensions or IMG_EXTENSIONS):
+                    samples.append((f, k))
+        self.walk = walk  # its counts are warned about once the split is verified
+        return samples
 
     def __getitem__(self, key: int | tuple) -> dict:
         """key: an index, or (seed, epoch, index): seeds torch's random numbers, in a fork."""

@@ -53,13 +53,13 @@ def img2label_path(f: str) -> str:
 
 def list_images(sources, prefix: str = "", verbose: bool = True) -> list[str]:
     """Image files in sources: folders (recursive), .txt lists (relative to their folder), files."""
-    files, skipped = [], []
+    files, skipped, walk = [], [], Walk()
     sources = [sources] if isinstance(sources, (str, Path)) else sources
     for src in map(Path, sources):
         if not src.exists():
             raise DataError(f"{prefix}{src} not found")
         if src.is_dir():
-            found = sorted(f for f in src.rglob("*") if f.is_file())
+            found = [Path(f) for f in walk.files(src)]
         elif src.suffix == ".txt":
             try:
                 text = read_text(src, MAX_LIST_BYTES, "image list")
@@ -75,7 +75,89 @@ def list_images(sources, prefix: str = "", verbose: bool = True) -> list[str]:
     if skipped and verbose:
         why = f"file(s) without an image extension ({', '.join(IMG_FORMATS)}) skipped"
         print(f"WARNING {prefix}{len(skipped)} {why}, e.g. {skipped[0]}", flush=True)
+    if verbose:
+        walk.warn(prefix)
     return list(dict.fromkeys(files))
+
+
+class Walk:
+    """Folder walks that read each real file once: links are followed, but a folder or file already
+    met (by device and inode) is skipped, so a link to a folder above is no loop; only regular files
+    are listed (a FIFO would block a reader, a device never ends)."""
+
+    def __init__(self):
+        self.seen: set[tuple[int, int]] = set()
+        self.claimed: set[tuple[int, int]] = set()  # folders walked only as a root of their own
+        self.repeats = 0  # links to a folder or file met before
+        self.others: list[str] = []  # FIFOs, devices, sockets, broken links
+
+    def claim(self, folders) -> None:
+        """Count folders as met (a link to one is not followed), but walk each given as a root:
+        ImageFolder's split and class folders, so that no link moves a file to another class."""
+        for folder in folders:
+            st = os.stat(folder)
+            self.seen.add((st.st_dev, st.st_ino))
+            self.claimed.add((st.st_dev, st.st_ino))
+
+    def files(self, root: str | Path) -> list[str]:
+        """The regular files under root not met before, sorted as paths."""
+        st = os.stat(root)
+        if (key := (st.st_dev, st.st_ino)) in self.claimed:
+            self.claimed.discard(key)
+            self.seen.discard(key)
+        found, todo = [], [str(root)]
+        while todo:
+            folder = todo.pop()
+            if not self._first(os.stat(folder)):
+                continue
+            try:
+                with os.scandir(folder) as it:
+                    # by name: which of two paths to a file is kept does not depend on the disk
+                    entries = sorted(it, key=lambda e: e.name)
+            except OSError:  # an unreadable folder
+                self.others.append(folder)
+                continue
+            folders = []
+            for entry in entries:
+                kind = self._kind(entry)
+                if kind == "folder":
+                    folders.append(entry.path)
+                elif kind == "file":
+                    found.append(entry.path)
+            todo += reversed(folders)  # the first by name is walked next
+        return [str(f) for f in sorted(map(Path, found))]
+
+    def _first(self, st: os.stat_result) -> bool:
+        """Whether the folder or file of st is met for the first time (then remembered)."""
+        key = (st.st_dev, st.st_ino)
+        if key in self.seen:
+            self.repeats += 1
+            return False
+        self.seen.add(key)
+        return True
+
+    def _kind(self, entry: os.DirEntry) -> str | None:
+        """The entry's kind: "folder", "file" (regular, met for the first time) or None."""
+        try:
+            st = entry.stat()  # through links
+        except OSError:
+            self.others.append(entry.path)
+            return None
+        if stat.S_ISDIR(st.st_mode):
+            return "folder"
+        if not stat.S_ISREG(st.st_mode):
+            self.others.append(entry.path)
+            return None
+        return "file" if self._first(st) else None
+
+    def warn(self, prefix: str = "") -> None:
+        """One warning line per kind of skipped entry."""
+        if self.repeats:
+            why = "link(s) to a folder or file met before skipped (each file is read once)"
+            print(f"WARNING {prefix}{self.repeats} {why}", flush=True)
+        if self.others:
+            why = "entries that are not regular files (FIFOs, devices, broken links, ...) skipped"
+            print(f"WARNING {prefix}{len(self.others)} {why}, e.g. {self.others[0]}", flush=True)
 
 
 def parse_labels(text: str, where: str, nc: int | None = None) -> tuple[list, list, int, int]:
