@@ -328,16 +328,34 @@ def yield_cpu(worker_id: int) -> None:
 
 
 def build_dataloader(
-    dataset, batch_size, workers=8, shuffle=True, rank=0, world_size=1, seed=0, local_world_size=1
+    dataset,
+    batch_size,
+    workers=8,
+    shuffle=True,
+    rank=0,
+    world_size=1,
+    seed=0,
+    local_world_size=1,
+    drop_single=False,
 ) -> tuple:
-    """-> (DataLoader, sampler): shuffle: a seeded EpochSampler (call set_epoch), else batches."""
+    """-> (DataLoader, sampler): shuffle: a seeded EpochSampler (call set_epoch), else batches.
+    drop_single: a shuffled epoch's last batch is dropped if it would hold a single image."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     workers = min(workers, max(cpus // local_world_size, 1))
     kw = dict(collate_fn=collate, num_workers=workers, persistent_workers=workers > 0)
     kw |= dict(worker_init_fn=yield_cpu, pin_memory=torch.cuda.is_available())
     if shuffle:
         sampler = EpochSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed)
-        return DataLoader(dataset, batch_size=batch_size, sampler=sampler, **kw), sampler
+        # only a last batch of one image, and never the only batch: the rest of the recipe stays
+        single = len(sampler) % batch_size == 1 and len(sampler) > batch_size
+        loader = DataLoader(
+            dataset,
+            batch_size=batch_size,
+            sampler=sampler,
+            drop_last=drop_single and single,
+            **kw,
+        )
+        return loader, sampler
     if dataset.rect and batch_size != dataset.batch_size:
         raise ValueError(f"rect dataset built for batch {dataset.batch_size}, not {batch_size}")
     sampler = shard_batches(len(dataset), batch_size, rank, world_size)
