@@ -376,20 +376,28 @@ def train_one_epoch(model, criterion, optimizer, scaler, ema, loader, epoch, arg
 
 # ---------------------------------------------------------------- resume
 def resumed_args(cli, path: str, ckpt: dict) -> argparse.Namespace:
-    """The resumed run's own arguments, checked; only --device and --amp may change."""
-    defaults = vars(get_args_parser().parse_args([]))
+    """The resumed run's own arguments, checked as the command line's are (their ranges: by
+    check_args); only --device and --amp may change."""
+    parser = get_args_parser()
+    defaults = vars(parser.parse_args([]))
     stored = ckpt["args"]  # a dict: checkpoint.load checked
-    types = {k: type(DEFAULTS[k] if v is None else v) for k, v in defaults.items()}
-    wrong = [k for k in defaults if k != "resume" and type(stored.get(k)) is not types[k]]
-    if wrong or set(stored) != set(defaults):
-        raise ConfigError(f"--resume: {path}: not train.py's arguments ({wrong or sorted(stored)})")
-    if cli.resume and ckpt["epoch"] + 1 >= stored["epochs"]:
+    if set(stored) != set(defaults):
+        differ = sorted(map(str, set(stored) ^ set(defaults)))[:5]
+        raise ConfigError(f"--resume: {path}: not train.py's arguments ({differ})")
+    try:
+        own = parse_kwargs(parser, {k: v for k, v in stored.items() if k != "resume"})
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"--resume: {path}: its {e}") from None
+    if cli.resume and ckpt["epoch"] + 1 >= own.epochs:
         raise ConfigError(f"--resume: {path}: the run is finished; start a new one (--weights)")
-    own = {"resume": path, "device": cli.device, "amp": cli.amp}  # all else is the run's own
-    if ignored := [k for k, v in vars(cli).items() if v != defaults[k] and k not in own]:
+    changed = {"resume": path, "device": cli.device, "amp": cli.amp}  # all else is the run's own
+    # a torchrun restart's arguments are the run's own; bare --resume searched --project
+    used = set(changed) | ({"project"} if cli.resume is True else set())
+    ignored = [k for k, v in vars(cli).items() if v != defaults[k] and k not in used]
+    if cli.resume and ignored:
         flags = ", ".join("--" + k.replace("_", "-") for k in ignored)
         dist.print0(f"warning: --resume continues {path} with its own arguments; ignoring {flags}")
-    return argparse.Namespace(**(stored | own))
+    return argparse.Namespace(**(vars(own) | changed))
 
 
 def restore_training(ckpt: dict, training: dict, args, info) -> tuple[int, tuple]:
@@ -458,18 +466,35 @@ def prepare(args, info, given: Model | None = None) -> tuple:
         check_numbers(args, info.world_size)
         if resumed := dist.run_on_main(checkpoint.find_resume, args, run_id):
             args, ckpt = resumed_args(args, *resumed), resumed[1]
+        with resumed_checks(args.resume if ckpt else None):
+            check_numbers(args, info.world_size)
         torch.manual_seed(args.seed)  # the same initial weights on every rank
         with dist.main_first():  # local rank 0 first: it writes the label caches (and shapes)
             data = datasets.load_data_config(args.data)
-            model = build_model(args, data, ckpt, given)
-            check_args(args, model.task, info.world_size)
-            hyp = load_hyp(ckpt["hyp"] if ckpt else args.hyp, model.task)
+            with resumed_checks(args.resume if ckpt else None):
+                model = build_model(args, data, ckpt, given)
+                check_args(args, model.task, info.world_size)
+                if ckpt:
+                    hyp = load_hyp(ckpt["hyp"], model.task, where="hyp")
+                else:
+                    hyp = load_hyp(args.hyp, model.task)
             loader, val_loader = build_loaders(args, hyp, model, data, info)
         need = 36 * sum(p.numel() for p in model.parameters())  # 3 files of 3 fp32 copies
         save_dir = dist.run_on_main(checkpoint.make_run_dir, args, hyp, run_id, need)
     except (ValueError, OSError, RuntimeError, yaml.YAMLError) as e:  # DataError, CheckpointError
         raise ConfigError(str(e).splitlines()[0]) from None
     return args, ckpt, hyp, model, loader, val_loader, save_dir
+
+
+@contextlib.contextmanager
+def resumed_checks(path: str | None):
+    """A ConfigError in the block names the checkpoint (path) whose arguments or hyp it checks."""
+    try:
+        yield
+    except ConfigError as e:
+        if path is None:
+            raise
+        raise ConfigError(f"--resume: {path}: its {e}") from None
 
 
 def build_training(model: Model, hyp: dict, args, info) -> tuple:
