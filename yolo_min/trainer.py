@@ -624,6 +624,7 @@ def main(args: argparse.Namespace, model: Model | None = None, callbacks=None) -
     try:
         return fit(args, info, model, callbacks)
     finally:
+        checkpoint.release_locks()
         dist.cleanup()
 
 
