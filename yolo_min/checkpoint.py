@@ -3,12 +3,14 @@ and the checks a checkpoint passes before --resume uses it."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import shutil
 import signal
 import socket
 import stat
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -71,6 +73,14 @@ def make_run_dir(args, hyp: dict, run_id: str | None, need_bytes: int) -> Path:
     except OSError as e:
         raise ValueError(f"cannot write the run folder {path}: {e}") from None
     return path
+
+
+def restore_results(ckpt: dict, run: Path) -> None:
+    """results.csv as the checkpoint saved it (the rows of the epochs it holds), if it holds one:
+    a crash between the checkpoint and its row loses no row."""
+    text = ckpt.get("results_csv")
+    if isinstance(text, str):
+        (run / "results.csv").write_text(text)
 
 
 def find_resume(args, run_id: str | None) -> tuple[str, dict] | None:
@@ -267,18 +277,31 @@ def save(state: dict, path: str | Path) -> None:
     tmp = Path(f"{path}.tmp")  # written, fsynced, then renamed over path
     # SIGINT and SIGTERM take effect once the write is done: a KeyboardInterrupt inside torch.save
     # would break its zip writer
+    with signals_held():
+        try:
+            with open(tmp, "wb") as f:
+                torch.save(state, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except OSError as e:
+            raise SaveError(f"cannot write {path} ({e}); the previous one is intact") from None
+        finally:
+            tmp.unlink(missing_ok=True)  # what a failed write left
+
+
+@contextlib.contextmanager
+def signals_held():
+    """SIGINT and SIGTERM that arrive in the block take effect at its end (in the main thread;
+    elsewhere Python delivers no signal to handle)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
     held, signals = [], (signal.SIGINT, signal.SIGTERM)
     old = {s: signal.signal(s, lambda signum, _: held.append(signum)) for s in signals}
     try:
-        with open(tmp, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as e:
-        raise SaveError(f"cannot write {path} ({e}); the previous one is intact") from None
+        yield
     finally:
-        tmp.unlink(missing_ok=True)  # what a failed write left
         for s, handler in old.items():
             signal.signal(s, signal.SIG_DFL if handler is None else handler)
         for s in held:
@@ -297,6 +320,7 @@ def load(path: str | Path) -> dict:
         ok = type(ckpt) is dict and all(isinstance(ckpt.get(k), t) for k, t in RESUME_TYPES.items())
         ok = ok and min(ckpt["epoch"], ckpt["best_epoch"], ckpt["ema_updates"]) >= 0
         ok = ok and all(type(v) in (int, float) for v in ckpt["scaler"].values())
+        ok = ok and isinstance(ckpt.get("results_csv", ""), str)  # absent before this version
         if not ok or not 0 < len(ckpt["rng"]["ranks"]) == ckpt["rng"]["world_size"]:
             raise CheckpointError("its values are not of the types and ranges train.py saves")
         fitting_model(ckpt["model_cfg"], ckpt["model"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import random
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -320,11 +321,21 @@ class EpochSampler(DistributedSampler):
 
 
 def yield_cpu(worker_id: int) -> None:
-    """Data workers at the lowest priority (worker_init_fn)."""
+    """Data workers at the lowest priority, quiet when the run is stopped (worker_init_fn)."""
+    # Ctrl-C and `kill -TERM -pgid` (timeout, systemd, SLURM) reach the whole process group: the
+    # main process says it once and ends the workers; a worker neither prints a traceback nor dies
+    # by the signal (which the main process would report as a crashed worker)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _exit_quietly)
     # where the cores are few, a worker preempting one of the step's OpenMP threads stalls them
     # all; at nice 19 workers fill the step's idle moments
     if hasattr(os, "nice"):  # not on Windows
         os.nice(19)
+
+
+def _exit_quietly(signum, frame) -> None:
+    """A data worker's SIGTERM handler: end at once with exit code 0."""
+    os._exit(0)
 
 
 def build_dataloader(

@@ -481,6 +481,8 @@ def prepare(args, info, given: Model | None = None) -> tuple:
             loader, val_loader = build_loaders(args, hyp, model, data, info)
         need = 36 * sum(p.numel() for p in model.parameters())  # 3 files of 3 fp32 copies
         save_dir = dist.run_on_main(checkpoint.make_run_dir, args, hyp, run_id, need)
+        if ckpt:
+            dist.run_on_main(checkpoint.restore_results, ckpt, save_dir)
     except (ValueError, OSError, RuntimeError, yaml.YAMLError) as e:  # DataError, CheckpointError
         raise ConfigError(str(e).splitlines()[0]) from None
     return args, ckpt, hyp, model, loader, val_loader, save_dir
@@ -555,13 +557,12 @@ def fit(args, info, given: Model | None = None, callbacks: dict | None = None) -
         stop = metrics and args.patience and epoch - best[1] >= args.patience
         rngs = dist.all_gather_object(checkpoint.rng_state())
         if info.rank == 0:
-            log_epoch(save_dir, epoch, args, losses, metrics, optimizer, speed, task)
-            if stop or epoch + 1 == args.epochs or not args.nosave:
-                opt = (optimizer, scaler, epoch, best, args, hyp, rngs)
-                state = checkpoint.training_state(de_parallel(model), ema, *opt)
-                checkpoint.save(state, save_dir / "weights" / "last.pt")
-                if metrics and best[1] == epoch:
-                    checkpoint.save(state, save_dir / "weights" / "best.pt")
+            saves = stop or epoch + 1 == args.epochs or not args.nosave
+            opt = (optimizer, scaler, epoch, best, args, hyp, rngs)
+            state = checkpoint.training_state(de_parallel(model), ema, *opt) if saves else None
+            row = (save_dir, epoch, losses, metrics, optimizer, task)  # results_text's arguments
+            save_epoch(state, bool(metrics) and best[1] == epoch, row)
+            print_epoch(epoch, args.epochs, speed, metrics)
         dist.barrier()  # the checkpoints are on disk before any rank goes on
         run_callbacks(callbacks, event._replace(name="on_fit_epoch_end", metrics=metrics))
         if stop:
@@ -579,6 +580,22 @@ def fit(args, info, given: Model | None = None, callbacks: dict | None = None) -
     run_callbacks(callbacks, end)
     out = dict(save_dir=str(save_dir), data=args.data, epochs=epoch + 1, best_fitness=best[0])
     return out | dict(metrics=metrics, img_s=img_s, model=trained)
+
+
+def save_epoch(state: dict | None, is_best: bool, row: tuple) -> None:
+    """An epoch's last.pt (and best.pt) from state (None: no checkpoint this epoch), then its
+    results.csv row (row: results_text's arguments). The checkpoint holds results.csv as it will be
+    (a resume restores it), and a Ctrl-C or SIGTERM meanwhile takes effect after both:
+    results.csv lists the epochs that last.pt holds."""
+    save_dir = row[0]
+    text = results_text(*row)
+    with checkpoint.signals_held():
+        if state is not None:
+            state["results_csv"] = text
+            checkpoint.save(state, save_dir / "weights" / "last.pt")
+        if state is not None and is_best:
+            checkpoint.save(state, save_dir / "weights" / "best.pt")
+        (save_dir / "results.csv").write_text(text)
 
 
 def validate_saved(ema: ModelEMA, val_loader, save_dir: Path, amp) -> dict:
@@ -601,8 +618,8 @@ def autoanchor(model: Model, train_set, thr: float, args) -> None:
         model.head.anchors[:] = new / stride  # pixels -> grid units
 
 
-def log_epoch(save_dir: Path, epoch, args, losses: dict, metrics, optimizer, img_s, task) -> None:
-    """A row of results.csv (a resumed run first drops the rows after its checkpoint), a line."""
+def results_text(save_dir: Path, epoch: int, losses: dict, metrics, optimizer, task) -> str:
+    """results.csv with epoch's row (a resumed run first drops the rows after its checkpoint)."""
     names = metric_names(KINDS[task])
     row = {"epoch": epoch + 1} | {f"train/{k}_loss": v for k, v in losses.items()}
     row |= {f"metrics/{k}": metrics["metrics"][k] if metrics else "" for k in names}
@@ -610,9 +627,13 @@ def log_epoch(save_dir: Path, epoch, args, losses: dict, metrics, optimizer, img
     path = save_dir / "results.csv"
     lines = path.read_text().splitlines(keepends=True)[: epoch + 1] if path.exists() else []
     lines = lines or [",".join(row) + "\n"]
-    path.write_text("".join(lines) + ",".join(map(str, row.values())) + "\n")
+    return "".join(lines) + ",".join(map(str, row.values())) + "\n"
+
+
+def print_epoch(epoch: int, epochs: int, img_s: float, metrics: dict | None) -> None:
+    """The line of a finished epoch: its speed and validation metrics."""
     val = "  ".join(f"{k} {v:.3f}" for k, v in metrics["metrics"].items()) if metrics else "no val"
-    print(f"epoch {epoch + 1}/{args.epochs}: {img_s:.1f} img/s  {val}", flush=True)
+    print(f"epoch {epoch + 1}/{epochs}: {img_s:.1f} img/s  {val}", flush=True)
 
 
 def main(args: argparse.Namespace, model: Model | None = None, callbacks=None) -> dict:
@@ -623,9 +644,27 @@ def main(args: argparse.Namespace, model: Model | None = None, callbacks=None) -
         raise ConfigError(str(e)) from None
     try:
         return fit(args, info, model, callbacks)
+    except KeyboardInterrupt as e:
+        raise Stopped(e.args[0] if e.args else "SIGINT", stop_note(args.nosave)) from None
     finally:
         checkpoint.release_locks()
         dist.cleanup()
+
+
+class Stopped(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM stopped a training: args (the signal's name, what the run folder holds)."""
+
+
+def stop_note(nosave: bool) -> str:
+    """What a stopped training leaves to --resume (rank 0: the run folder it holds)."""
+    runs = checkpoint.held_runs()
+    if not runs:
+        return "no run folder was written"
+    if (runs[-1] / "weights" / "last.pt").is_file():
+        return "weights/last.pt holds the last completed epoch"
+    if nosave:
+        return f"--nosave: {runs[-1]} has no weights/last.pt before the final epoch"
+    return f"no epoch was completed: {runs[-1]} has no weights/last.pt to resume"
 
 
 def run(**kwargs) -> dict:
