@@ -13,8 +13,9 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
-import yaml
 from torch.nn.utils import fuse_conv_bn_eval
+
+from .files import read_yaml
 
 CFG_DIR = Path(__file__).parent / "cfg"
 
@@ -259,11 +260,12 @@ def load_cfg(cfg: str | Path | dict) -> tuple[dict, str]:
     path = Path(cfg)
     if not path.exists():
         path = CFG_DIR / path.name
-    if not path.is_file():
+    # a path that is not a regular file: read_yaml says so
+    if not path.exists():
         names = sorted(p.name for p in CFG_DIR.glob("yolov5*.yaml"))
         shipped = ", ".join(names)
         raise FileNotFoundError(f"model cfg '{cfg}' not found (shipped configs: {shipped})")
-    return yaml.safe_load(path.read_text()), str(path)
+    return read_yaml(path, "model cfg"), str(path)
 
 
 # What a config may hold, checked before anything is built: a checkpoint's config is untrusted.
