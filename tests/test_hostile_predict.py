@@ -1,0 +1,166 @@
+"""Hostile input to predict.py and val.py (and their Python faces): each crafted file or option is
+made here, in tmp_path. Each must end in one line naming the file or option (exit 2 before any
+work for a bad option, a named, skipped and counted image otherwise), write nothing outside the
+run folder and leave the source files as they were (md5)."""
+
+import contextlib
+import hashlib
+import shutil
+import signal
+import struct
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import FIXTURES, need
+from PIL import Image
+
+from yolo_min import cli, datasets, predictor, validator
+from yolo_min.safe_load import load_model
+
+BAD_OPTIONS = [
+    ("--imgsz", "0", "--imgsz 0: must be from 32 to 8192"),
+    ("--imgsz", "-64", "--imgsz -64: must be from 32 to 8192"),
+    ("--imgsz", "20000", "--imgsz 20000: must be from 32 to 8192"),
+    ("--batch-size", "0", "--batch-size 0: must be at least 1"),
+    ("--batch-size", "-1", "--batch-size -1: must be at least 1"),
+    ("--workers", "-1", "--workers -1: must be at least 0"),
+    ("--max-det", "-1", "--max-det -1: must be at least 1"),
+    ("--max-det", "0", "--max-det 0: must be at least 1"),
+    ("--conf-thres", "1.5", "--conf-thres 1.5: must be from 0 to 1"),
+    ("--conf-thres", "-0.1", "--conf-thres -0.1: must be from 0 to 1"),
+    ("--conf-thres", "nan", "--conf-thres nan: must be from 0 to 1"),
+    ("--iou-thres", "2", "--iou-thres 2.0: must be from 0 to 1"),
+    ("--iou-thres", "-1", "--iou-thres -1.0: must be from 0 to 1"),
+]
+
+
+# ---------------------------------------------------------------- helpers
+@pytest.fixture(scope="module")
+def fx() -> Path:
+    return need(FIXTURES / "predict")
+
+
+@pytest.fixture(scope="module")
+def det(fx):
+    return load_model(fx / "det.pt")
+
+
+def run_cli(monkeypatch, capsys, command: str, *args) -> tuple:
+    """(exit code, stdout, stderr) of `python <command>.py args`, in this process."""
+    entry = {"predict": predictor, "val": validator}[command]
+    monkeypatch.setattr(sys, "argv", [f"{command}.py", *map(str, args)])
+    code = 0
+    try:
+        cli.run_command(entry.main, entry.get_args_parser())
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def predict_cli(monkeypatch, capsys, weights, source, project, *more) -> tuple:
+    """run_cli of predict.py on the CPU at --imgsz 64 into project/exp."""
+    common = ["--weights", weights, "--source", source, "--project", project, "--device", "cpu"]
+    return run_cli(monkeypatch, capsys, "predict", *common, "--imgsz", "64", *more)
+
+
+def digests(folder: Path) -> dict:
+    """{path relative to folder: md5} of every file below folder (through links)."""
+    out = {}
+    for p in sorted(folder.rglob("*")):
+        if p.is_file() and not p.is_fifo():
+            out[str(p.relative_to(folder))] = hashlib.md5(p.read_bytes()).hexdigest()
+    return out
+
+
+def only_run_folder_added(before: dict, after: dict, run: str) -> bool:
+    """Whether the files added are all in the run folder and every earlier one is unchanged."""
+    added = [k for k in after if k not in before]
+    kept = all(after.get(k) == v for k, v in before.items())
+    return kept and all(k.startswith(f"{run}/") for k in added)
+
+
+@contextlib.contextmanager
+def deadline(seconds: float):
+    """TimeoutError instead of a hang: a blocking open() or endless walk is interrupted."""
+
+    def expire(signum, frame):
+        raise TimeoutError(f"still running after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def copy_images(fx: Path, folder: Path, names: dict) -> None:
+    """names: {new name: fixture image name} copied into folder."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for new, old in names.items():
+        shutil.copy(fx / "images" / old, folder / new)
+
+
+def one_line_error(err: str, command: str, words: str) -> bool:
+    return err.startswith(f"{command}.py: error: {words}") and len(err.strip().splitlines()) == 1
+
+
+# ---------------------------------------------------------------- 5: 16-bit and float images
+def test_to_rgb8_scales_wide_modes():
+    """16-bit by >> 8, 32-bit integers as 16-bit (or >> 23 past 65535), floats in 0..1 by 255
+    (else clipped, NaN 0); other modes as PIL's convert."""
+    v = np.arange(256, dtype=np.uint8).reshape(16, 16)
+    want = np.asarray(Image.fromarray(v).convert("RGB"))
+    wide = {
+        "I;16": Image.fromarray(v.astype(np.uint16) * 257),
+        "I": Image.fromarray(v.astype(np.int32) * 257),
+        "I past 16 bits": Image.fromarray(v.astype(np.int32) << 23),
+        "F in 0..1": Image.fromarray(v.astype(np.float32) / 255),
+        "F in 0..255": Image.fromarray(v.astype(np.float32)),
+        "P": Image.fromarray(v).convert("P"),
+        "RGBA": Image.fromarray(v).convert("RGBA"),
+    }
+    for kind, image in wide.items():
+        assert np.array_equal(np.asarray(datasets.to_rgb8(image)), want), kind
+    assert np.asarray(Image.fromarray(v.astype(np.uint16) * 257).convert("RGB")).min() == 0
+    odd = np.array([[np.nan, -5.0, 300.0, 2.5]], np.float32)
+    assert np.asarray(datasets.to_rgb8(Image.fromarray(odd)))[0, :, 0].tolist() == [0, 0, 255, 2]
+    negative = Image.fromarray(np.array([[-7, 65535]], np.int32))
+    assert np.asarray(datasets.to_rgb8(negative))[0, :, 0].tolist() == [0, 255]
+
+
+def pattern_files(fx: Path, folder: Path) -> list[Path]:
+    """A fixture image's grey pattern as an 8-bit PNG, a 16-bit PNG and a float TIFF in folder."""
+    grey = np.asarray(Image.open(fx / "images" / "pair00.png").convert("L"))
+    folder.mkdir()
+    Image.fromarray(grey).save(folder / "a8.png")
+    Image.fromarray(grey.astype(np.uint16) * 257).save(folder / "b16.png")
+    Image.fromarray(grey.astype(np.float32) / 255).save(folder / "c_float.tif")
+    files = [folder / "a8.png", folder / "b16.png", folder / "c_float.tif"]
+    assert [Image.open(f).mode for f in files] == ["L", "I;16", "F"]
+    return files
+
+
+def test_16bit_and_float_files_load_as_8bit_in_training(fx, tmp_path):
+    """YOLODataset (train and val) and the classifier's loader read a 16-bit PNG and a float TIFF
+    of a pattern as its 8-bit PNG."""
+    files = pattern_files(fx, tmp_path / "imgs")
+    dataset = datasets.YOLODataset(str(tmp_path / "imgs"), imgsz=64, nc=3, verbose=False)
+    assert dataset.im_files == list(map(str, files))
+    loaded = [dataset.load_image(i)[0] for i in range(3)]
+    assert all(torch.equal(im, loaded[0]) for im in loaded) and loaded[0].float().std() > 10
+    rgb = [np.asarray(datasets.load_rgb(str(f))) for f in files]
+    assert all(np.array_equal(im, rgb[0]) for im in rgb)
+
+
+def corrupt_exif_jpeg(path: Path) -> None:
+    """A JPEG whose EXIF tag 270 claims 1000 bytes past the end: PIL warns, naming no file."""
+    entry = struct.pack("<HHII", 0x010E, 2, 1000, 26)
+    ifd = struct.pack("<H", 1) + entry + struct.pack("<I", 0)
+    exif = b"Exif\x00\x00II*\x00" + struct.pack("<I", 8) + ifd
+    Image.new("RGB", (64, 48), (90, 90, 90)).save(path, exif=exif)
