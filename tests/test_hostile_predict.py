@@ -5,6 +5,7 @@ run folder and leave the source files as they were (md5)."""
 
 import contextlib
 import hashlib
+import os
 import shutil
 import signal
 import struct
@@ -17,7 +18,7 @@ import torch
 from conftest import FIXTURES, need
 from PIL import Image
 
-from yolo_min import cli, datasets, predictor, validator
+from yolo_min import YOLO, cli, datasets, dist, predictor, validator
 from yolo_min.safe_load import load_model
 
 BAD_OPTIONS = [
@@ -108,6 +109,51 @@ def copy_images(fx: Path, folder: Path, names: dict) -> None:
 
 def one_line_error(err: str, command: str, words: str) -> bool:
     return err.startswith(f"{command}.py: error: {words}") and len(err.strip().splitlines()) == 1
+
+
+# ---------------------------------------------------------------- 4, 8: numeric options
+@pytest.mark.parametrize("command", ["predict", "val"])
+def test_numbers_out_of_range_stop_before_any_work(tmp_path, monkeypatch, capsys, command):
+    """Each option out of range, NaN too: exit 2, one line naming it, before the process group
+    (so before the model: --weights names a file that does not exist), no run folder."""
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("the options were not checked before the work began")
+
+    monkeypatch.setattr(dist, "setup", no_work)
+    common = ["--weights", tmp_path / "missing.pt", "--project", tmp_path / "runs"]
+    if command == "predict":
+        common += ["--source", tmp_path / "missing"]
+        cases = [*BAD_OPTIONS, ("--line-width", "0", "--line-width 0: must be at least 1")]
+    else:
+        common += ["--data", tmp_path / "missing.yaml"]
+        cases = BAD_OPTIONS
+    for option, value, words in cases:
+        code, _, err = run_cli(monkeypatch, capsys, command, *common, option, value)
+        assert code == 2 and one_line_error(err, command, words), (option, value, err)
+    assert sorted(os.listdir(tmp_path)) == []
+
+
+def test_numbers_out_of_range_in_python(det, tmp_path):
+    """validator.run, predictor.run, predictor.predict, YOLO.val and YOLO.predict: ValueError
+    naming the option (TypeError for a value that is no number), before any work."""
+    image = np.zeros((32, 32, 3), np.uint8)
+    missing = dict(weights=str(tmp_path / "missing.pt"), project=str(tmp_path / "runs"))
+    calls = {
+        "validator.run": lambda **kw: validator.run(**missing, data="missing.yaml", **kw),
+        "predictor.run": lambda **kw: predictor.run(**missing, source="missing", **kw),
+        "predictor.predict": lambda **kw: predictor.predict(det, image, **kw),
+        "YOLO.val": lambda **kw: YOLO(det).val(data="missing.yaml", **kw),
+        "YOLO.predict": lambda **kw: YOLO(det).predict(image, stream=True, **kw),
+    }
+    for name, call in calls.items():
+        for option, value, words in BAD_OPTIONS:
+            number = float(value) if "thres" in option else int(value)
+            with pytest.raises(ValueError, match=f"^{words}$"):
+                call(**{option[2:].replace("-", "_"): number})
+    with pytest.raises(TypeError, match="--imgsz '64': expected int"):
+        predictor.predict(det, image, imgsz="64")
+    assert not (tmp_path / "runs").exists()
 
 
 # ---------------------------------------------------------------- 5: 16-bit and float images

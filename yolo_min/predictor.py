@@ -23,7 +23,7 @@ from .cli import parse_kwargs
 from .labels import IMG_FORMATS, DataError
 from .models import amp_dtype, make_divisible
 from .safe_load import load_model
-from .validator import STAGES, base_parser, infer, speed_line
+from .validator import STAGES, base_parser, check_options, infer, speed_line
 
 PREDICT_NMS = dict(conf_thres=0.25, iou_thres=0.45, max_det=1000)  # yolov5's detect.py
 
@@ -124,7 +124,9 @@ def to_original(det, protos, sample: dict, input_hw, polygons: bool) -> dict:
 
 
 def predict(model, images: list, **options) -> list[dict]:
-    """`stream`'s results in the order of images; model: a Model or a weights file."""
+    """`stream`'s results in the order of images; model: a Model or a weights file. The numeric
+    options are checked first (ValueError naming one)."""
+    check_options(options)
     model = load_model(model) if isinstance(model, (str, Path)) else model.eval()
     return sorted(stream(model, images, **options), key=lambda r: r["index"])
 
@@ -197,14 +199,14 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--source", required=True, help="image, folder, glob or .txt list of paths")
     p.add_argument("--classes", nargs="+", type=int, help="keep only these classes")
     p.add_argument("--agnostic-nms", action="store_true", help="NMS across classes")
-    p.add_argument("--batch-size", type=int, default=1, help="per rank")
-    p.add_argument("--workers", type=int, default=0, help="image decoding processes per rank")
+    p.add_argument("--batch-size", type=int, default=1, help="per rank, >= 1")
+    p.add_argument("--workers", type=int, default=0, help="image decoding processes per rank, >= 0")
     p.add_argument("--save-txt", action="store_true", help="labels/<image>.txt, yolov5's format")
     p.add_argument("--save-conf", action="store_true", help="confidences in --save-txt labels")
     p.add_argument("--save-crop", action="store_true", help="crops/<class>/<image>_<k>.jpg")
     p.add_argument("--save-json", action="store_true", help="predictions.json for the source")
     p.add_argument("--nosave", action="store_true", help="no annotated images")
-    p.add_argument("--line-width", type=int, help="box width in pixels (default: by size)")
+    p.add_argument("--line-width", type=int, help="box width in pixels, >= 1 (default: by size)")
     p.add_argument("--hide-labels", action="store_true")
     p.add_argument("--hide-conf", action="store_true")
     return p
@@ -220,6 +222,8 @@ def predict_amp(device: torch.device, amp: str) -> torch.dtype | None:
 
 def main(args: argparse.Namespace) -> dict:
     """Predict --source, sharded -> {"save_dir", "images", "skipped", "detections", "speed"}."""
+    # before the process group and the model: a bad number costs nothing
+    check_options(vars(args))
     info = dist.setup(args.device)
     try:
         amp = predict_amp(info.device, args.amp)

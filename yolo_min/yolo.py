@@ -150,6 +150,7 @@ class YOLO:
         fixed = {"weights": "", "source": ""}
         parser = predictor.get_args_parser()
         args = parse_kwargs(parser, options, fixed=fixed, only=PREDICT_OPTIONS)
+        validator.check_options(vars(args))
         images = predict_sources(source)
         if args.device:
             device = dist.select_device(args.device)
