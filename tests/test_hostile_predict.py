@@ -111,6 +111,28 @@ def one_line_error(err: str, command: str, words: str) -> bool:
     return err.startswith(f"{command}.py: error: {words}") and len(err.strip().splitlines()) == 1
 
 
+def test_links_to_folders_are_walked_once(tmp_path, monkeypatch):
+    """`**` through a folder linked into itself and into its parent (glob.glob: 2^40 paths) and
+    a list naming one file five ways: each real file once, where it is first met."""
+    src = tmp_path / "src"
+    (src / "sub").mkdir(parents=True)
+    for name in ("good.png", "sub/b.png"):
+        Image.new("RGB", (16, 16)).save(src / name)
+    (src / "self").symlink_to(".")
+    (src / "up").symlink_to("..")
+    (src / "sub" / "back").symlink_to("..")
+    same = ["good.png", "./good.png", "self/good.png", str(src / "good.png"), "sub/../good.png"]
+    (src / "list.txt").write_text("\n".join(same) + "\n")
+    monkeypatch.chdir(tmp_path)
+    with deadline(30):
+        walked = predictor.find_images(f"{src}/**/*.png")
+        relative = predictor.find_images("src/**/*.png")
+        listed = predictor.find_images(str(src / "list.txt"))
+    assert walked == [str(src / "good.png"), str(src / "sub" / "b.png")]
+    assert relative == ["src/good.png", "src/sub/b.png"]
+    assert listed == [str(src / "good.png")]
+
+
 # ---------------------------------------------------------------- 4, 8: numeric options
 @pytest.mark.parametrize("command", ["predict", "val"])
 def test_numbers_out_of_range_stop_before_any_work(tmp_path, monkeypatch, capsys, command):
@@ -202,6 +224,14 @@ def test_16bit_and_float_files_load_as_8bit_in_training(fx, tmp_path):
     assert all(torch.equal(im, loaded[0]) for im in loaded) and loaded[0].float().std() > 10
     rgb = [np.asarray(datasets.load_rgb(str(f))) for f in files]
     assert all(np.array_equal(im, rgb[0]) for im in rgb)
+
+
+def test_a_binary_list_is_one_line(fx, tmp_path, monkeypatch, capsys):
+    (tmp_path / "list.txt").write_bytes(b"\xff\xfe\x00 binary \x80\x81")
+    code, _, err = predict_cli(monkeypatch, capsys, fx / "det.pt", tmp_path / "list.txt", tmp_path)
+    words = f"--source {tmp_path / 'list.txt'}: cannot read the list (UnicodeDecodeError: "
+    assert code == 2 and one_line_error(err, "predict", words), err
+    assert sorted(os.listdir(tmp_path)) == ["list.txt"]
 
 
 def corrupt_exif_jpeg(path: Path) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import glob
 import json
+import os
 import time
 from functools import partial
 from pathlib import Path
@@ -29,17 +30,104 @@ PREDICT_NMS = dict(conf_thres=0.25, iou_thres=0.45, max_det=1000)  # yolov5's de
 
 
 def find_images(source: str) -> list[str]:
-    """The images of a file, folder (sorted, not recursive), glob or .txt list of paths."""
+    """The images of a file, folder (sorted, not recursive), glob or .txt list of paths (relative
+    ones: to the list's folder, as training's lists), each real file once (its first mention); a
+    `**` walks each real folder once, symlinks followed (a folder linked into itself ends)."""
     path = Path(source)
     if path.suffix == ".txt" and path.is_file():
-        files = [line.strip() for line in path.read_text().splitlines() if line.strip()]
-    else:  # the file, a folder's files, or a glob's
-        pattern = str(Path(glob.escape(source)) / "*") if path.is_dir() else source
-        files = [source] if path.is_file() else sorted(glob.glob(pattern, recursive=True))
-    if not (files := [f for f in files if f.rpartition(".")[2].lower() in IMG_FORMATS]):
+        files = read_list(path)
+    elif path.is_file():
+        files = [source]
+    elif path.is_dir():
+        files = sorted(glob.glob(str(Path(glob.escape(source)) / "*")))
+    else:
+        files = sorted(expand_glob(source))
+    images = [f for f in files if f.rpartition(".")[2].lower() in IMG_FORMATS]
+    if not images:
         why = f"no images ({', '.join(IMG_FORMATS)})" if path.exists() else "not found"
         raise DataError(f"--source {source}: {why}")
-    return files
+    return unique_files(images)
+
+
+def read_list(path: Path) -> list[str]:
+    """A .txt list's paths, one a line (UTF-8), relative ones joined to the list's folder."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise DataError(f"--source {path}: cannot read the list ({one_line(e)})") from None
+    lines = [line.strip() for line in text.splitlines()]
+    return [str(path.parent / line) for line in lines if line]
+
+
+def expand_glob(pattern: str) -> list[str]:
+    """glob.glob(pattern, recursive=True), but each `**` visits each real folder once."""
+    parts = Path(pattern).parts
+    if "**" not in parts:
+        return glob.glob(pattern)
+    cut = parts.index("**")
+    rest = os.path.join(*parts[cut + 1 :]) if cut + 1 < len(parts) else "*"
+    roots = glob.glob(str(Path(*parts[:cut]))) if cut else [""]
+    found = []
+    for root in roots:
+        for folder in walk_once(root):
+            found += expand_glob(os.path.join(glob.escape(folder), rest))
+    return found
+
+
+def walk_once(root: str) -> list[str]:
+    """root ("": the working directory) and the folders below it, but hidden ones (as glob's
+    `**`): symlinks followed, each real folder (device, inode) once, the first way it is met."""
+    seen = set()
+    folders = []
+    for top, subfolders, _ in os.walk(root or ".", followlinks=True):
+        key = file_key(top)
+        if key in seen:
+            # a link back to a folder already walked: do not walk it again
+            subfolders.clear()
+            continue
+        seen.add(key)
+        subfolders[:] = sorted(d for d in subfolders if not d.startswith("."))
+        if root:
+            folders.append(top)
+        else:
+            relative = os.path.relpath(top)
+            folders.append("" if relative == "." else relative)
+    return folders
+
+
+def file_key(path: str):
+    """What makes path one real file: its (device, inode), else (missing) its absolute path."""
+    try:
+        st = os.stat(path)
+    except (OSError, ValueError):  # ValueError: a NUL byte in the path
+        return os.path.abspath(path)
+    return (st.st_dev, st.st_ino)
+
+
+def unique_files(files: list[str]) -> list[str]:
+    """files, each real file (file_key) only where it first appears."""
+    seen = set()
+    unique = []
+    for f in files:
+        key = file_key(f)
+        if key not in seen:
+            seen.add(key)
+            unique.append(f)
+    return unique
+
+
+def source_images(source) -> list:
+    """YOLO.predict's and predict's source as stream's list of images: a path (an image, folder,
+    glob or .txt list: find_images), a PIL image or an array (one image), or a list of these
+    (each path in it one image)."""
+    if isinstance(source, (str, os.PathLike)):
+        return find_images(str(source))
+    if isinstance(source, (Image.Image, np.ndarray)):
+        return [source]
+    if isinstance(source, (list, tuple)):
+        return list(source)
+    why = "an image path, folder, glob, .txt list, PIL image, array or a list of these"
+    raise TypeError(f"predict(source): {type(source).__name__} is not {why}")
 
 
 def letterbox(image: torch.Tensor, imgsz: int, stride: int) -> tuple[torch.Tensor, tuple]:
@@ -53,6 +141,19 @@ def letterbox(image: torch.Tensor, imgsz: int, stride: int) -> tuple[torch.Tenso
     top, left = round((H - h) / 2 - 0.1), round((W - w) / 2 - 0.1)
     canvas = TF.pad(x, [left, top, W - w - left, H - h - top], fill=114)
     return canvas, ((r, r), ((W - w0 * r) / 2, (H - h0 * r) / 2))  # as yolov5's scale_boxes
+
+
+def first_line(text) -> str:
+    """The first line of str(text) ("" if none)."""
+    lines = str(text).splitlines()
+    if not lines:
+        return ""
+    return lines[0]
+
+
+def one_line(e: Exception) -> str:
+    """An exception as `Type: the first line of its message`."""
+    return f"{type(e).__name__}: {first_line(e)}"
 
 
 def read(item: tuple, imgsz: int, stride: int, classify: bool = False) -> dict:
@@ -123,12 +224,16 @@ def to_original(det, protos, sample: dict, input_hw, polygons: bool) -> dict:
     return out
 
 
-def predict(model, images: list, **options) -> list[dict]:
-    """`stream`'s results in the order of images; model: a Model or a weights file. The numeric
+def predict(model, images, **options) -> list[dict]:
+    """`stream`'s results in the order of the images; model: a Model or a weights file; images: as
+    source_images takes them (a path is one source, as predict.py's --source). The numeric
     options are checked first (ValueError naming one)."""
     check_options(options)
-    model = load_model(model) if isinstance(model, (str, Path)) else model.eval()
-    return sorted(stream(model, images, **options), key=lambda r: r["index"])
+    if isinstance(model, (str, Path)):
+        model = load_model(model)
+    else:
+        model = model.eval()
+    return sorted(stream(model, source_images(images), **options), key=lambda r: r["index"])
 
 
 def top5(result: dict) -> list[tuple[int, float]]:
@@ -196,7 +301,8 @@ def save(result: dict, save_dir: Path, args) -> None:
 
 def get_args_parser() -> argparse.ArgumentParser:
     p = base_parser("Predict boxes (and masks) on images", PREDICT_NMS, "runs/predict")
-    p.add_argument("--source", required=True, help="image, folder, glob or .txt list of paths")
+    source = "image, folder, glob or .txt list of paths (relative ones: to the list's folder)"
+    p.add_argument("--source", required=True, help=source)
     p.add_argument("--classes", nargs="+", type=int, help="keep only these classes")
     p.add_argument("--agnostic-nms", action="store_true", help="NMS across classes")
     p.add_argument("--batch-size", type=int, default=1, help="per rank, >= 1")
