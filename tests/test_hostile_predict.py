@@ -111,6 +111,23 @@ def one_line_error(err: str, command: str, words: str) -> bool:
     return err.startswith(f"{command}.py: error: {words}") and len(err.strip().splitlines()) == 1
 
 
+# ---------------------------------------------------------------- 3: hangs in the sources
+def test_fifos_are_never_read(fx, det, tmp_path, monkeypatch, capsys):
+    """A FIFO named x.jpg in a source folder, or as the source: named, skipped, counted."""
+    src = tmp_path / "src"
+    copy_images(fx, src, {"good.png": "sq00.png"})
+    os.mkfifo(src / "x.jpg")
+    os.mkfifo(tmp_path / "alone.jpg")
+    with deadline(60):
+        code, out, err = predict_cli(monkeypatch, capsys, fx / "det.pt", src, tmp_path / "runs")
+        (alone,) = predictor.predict(det, str(tmp_path / "alone.jpg"), imgsz=64)
+    assert code == 0, err
+    assert f"WARNING {src / 'x.jpg'}: unreadable (ValueError: not a regular file); skipped" in out
+    assert "1 images, 1 skipped (named above)" in out
+    assert sorted(p.name for p in (tmp_path / "runs" / "exp").iterdir()) == ["good.png"]
+    assert alone["error"] == "unreadable (ValueError: not a regular file)"
+
+
 def test_links_to_folders_are_walked_once(tmp_path, monkeypatch):
     """`**` through a folder linked into itself and into its parent (glob.glob: 2^40 paths) and
     a list naming one file five ways: each real file once, where it is first met."""
@@ -226,6 +243,37 @@ def test_16bit_and_float_files_load_as_8bit_in_training(fx, tmp_path):
     assert all(np.array_equal(im, rgb[0]) for im in rgb)
 
 
+def test_16bit_and_float_files_predict_as_8bit(fx, det, tmp_path):
+    """The 16-bit PNG and the float TIFF, as files and as PIL images, predict the same boxes as
+    the 8-bit PNG."""
+    files = pattern_files(fx, tmp_path / "imgs")
+    sources = [*map(str, files), Image.open(files[1]), Image.open(files[2])]
+    first, *others = predictor.predict(det, sources, imgsz=128)
+    assert len(first["boxes"]) > 0
+    for r in others:
+        assert torch.equal(r["image"], first["image"]) and torch.equal(r["boxes"], first["boxes"])
+
+
+# ---------------------------------------------------------------- 12: sources and the API
+def test_a_path_is_one_source_and_the_mode_is_kept(fx, tmp_path):
+    """predict(model, "img.png") is one image, a folder its images; the caller's model leaves
+    predict and YOLO.predict (streamed too) in the mode it came in."""
+    copy_images(fx, tmp_path, {"a.png": "sq00.png", "b.png": "sq01.jpg"})
+    model = load_model(fx / "det.pt").train()
+    (one,) = predictor.predict(model, str(tmp_path / "a.png"), imgsz=64)
+    assert one["path"] == str(tmp_path / "a.png") and model.training
+    assert [r["path"] for r in predictor.predict(model, tmp_path, imgsz=64)] == [
+        str(tmp_path / "a.png"),
+        str(tmp_path / "b.png"),
+    ]
+    assert model.training
+    assert len(list(YOLO(model).predict(tmp_path / "b.png", stream=True, imgsz=64))) == 1
+    assert model.training
+    model.eval()
+    predictor.predict(model, str(tmp_path / "a.png"), imgsz=64)
+    assert not model.training
+
+
 def test_a_binary_list_is_one_line(fx, tmp_path, monkeypatch, capsys):
     (tmp_path / "list.txt").write_bytes(b"\xff\xfe\x00 binary \x80\x81")
     code, _, err = predict_cli(monkeypatch, capsys, fx / "det.pt", tmp_path / "list.txt", tmp_path)
@@ -240,3 +288,21 @@ def corrupt_exif_jpeg(path: Path) -> None:
     ifd = struct.pack("<H", 1) + entry + struct.pack("<I", 0)
     exif = b"Exif\x00\x00II*\x00" + struct.pack("<I", 8) + ifd
     Image.new("RGB", (64, 48), (90, 90, 90)).save(path, exif=exif)
+
+
+def test_pil_warnings_and_the_pixel_limit_name_the_file(fx, det, tmp_path, monkeypatch, capsys):
+    """PIL's EXIF warning: a WARNING line naming the file (predict.py), an ImageWarning naming it
+    (the API); an image over PIL's pixel limit: named, skipped, counted."""
+    corrupt_exif_jpeg(tmp_path / "exif.jpg")
+    copy_images(fx, tmp_path, {"big.png": "sq00.png"})
+    with pytest.warns(predictor.ImageWarning, match=f"^{tmp_path / 'exif.jpg'}: Tag data larger"):
+        (result,) = predictor.predict(det, str(tmp_path / "exif.jpg"), imgsz=64)
+    named = f"{tmp_path / 'exif.jpg'}: Tag data larger than file. Skipping tag 270"
+    assert result["warnings"] == [named] and "error" not in result
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 128 * 80)
+    code, out, err = predict_cli(monkeypatch, capsys, fx / "det.pt", tmp_path, tmp_path / "runs")
+    assert code == 0, err
+    assert f"WARNING {named}" in out
+    why = "unreadable (ValueError: 128x128 pixels, more than PIL's limit of 10,240); skipped"
+    assert f"WARNING {tmp_path / 'big.png'}: {why}" in out
+    assert "1 images, 1 skipped (named above)" in out

@@ -255,7 +255,7 @@ def test_unreadable_images_are_named_skipped_and_counted(fixtures_dir, tmp_path,
     out = run_predict(tmp_path, "exp", weights=weights, source=source, imgsz=160, save_txt=True)
     text = capsys.readouterr().out
     assert "broken.jpg: unreadable" in text and "gone.png: unreadable" in text
-    assert "1 images, 2 unreadable ones skipped" in text and "Speed: " in text
+    assert "1 images, 2 skipped (named above)" in text and "Speed: " in text
     assert sorted(p.name for p in out.iterdir()) == ["good.png", "labels"]
 
 

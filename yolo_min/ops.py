@@ -82,7 +82,10 @@ def scale_masks(masks: torch.Tensor, ratio_pad, orig_hw: tuple[int, int]) -> tor
     """(n, H, W) bool masks on the input -> (n, h, w) on the original: padding cut, nearest."""
     (rh, rw), (pw, ph) = ratio_pad
     top, left = round(ph - 0.1), round(pw - 0.1)  # where the image starts, as yolov5 splits padding
-    m = masks[:, top : top + round(orig_hw[0] * rh), left : left + round(orig_hw[1] * rw)]
+    # at least one row and column: letterbox makes a 5000 x 1 image 640 x 1, not 640 x 0
+    h = max(round(orig_hw[0] * rh), 1)
+    w = max(round(orig_hw[1] * rw), 1)
+    m = masks[:, top : top + h, left : left + w]
     if m.shape[1:] != tuple(orig_hw):
         m = F.interpolate(m[:, None].byte(), size=orig_hw, mode="nearest-exact")[:, 0].bool()
     return m

@@ -8,7 +8,9 @@ import argparse
 import glob
 import json
 import os
+import stat
 import time
+import warnings
 from functools import partial
 from pathlib import Path
 
@@ -21,12 +23,17 @@ from torch.utils.data import DataLoader
 from . import dist, ops, plots
 from .checkpoint import next_run_dir
 from .cli import parse_kwargs
+from .datasets import to_rgb8
 from .labels import IMG_FORMATS, DataError
 from .models import amp_dtype, make_divisible
 from .safe_load import load_model
 from .validator import STAGES, base_parser, check_options, infer, speed_line
 
 PREDICT_NMS = dict(conf_thres=0.25, iou_thres=0.45, max_det=1000)  # yolov5's detect.py
+
+
+class ImageWarning(UserWarning):
+    """A warning PIL gave while decoding an image, re-issued with the image named."""
 
 
 def find_images(source: str) -> list[str]:
@@ -134,13 +141,46 @@ def letterbox(image: torch.Tensor, imgsz: int, stride: int) -> tuple[torch.Tenso
     """uint8 (h, w, 3) -> (uint8 (3, H, W), ratio_pad): long side to imgsz, centred on 114 grey."""
     (h0, w0), x = image.shape[:2], image.permute(2, 0, 1)
     r = imgsz / max(h0, w0)
-    h, w = round(h0 * r), round(w0 * r)
+    # a side of at least one pixel: a 5000 x 1 image is 640 x 1, not 640 x 0
+    h, w = max(round(h0 * r), 1), max(round(w0 * r), 1)
     H, W = make_divisible(h, stride), make_divisible(w, stride)  # the canvas, as yolov5's
     if (h, w) != (h0, w0):  # as OpenCV's INTER_LINEAR: bilinear, no antialiasing
         x = TF.resize(x, [h, w], antialias=False)  # its default: bilinear
     top, left = round((H - h) / 2 - 0.1), round((W - w) / 2 - 0.1)
     canvas = TF.pad(x, [left, top, W - w - left, H - h - top], fill=114)
     return canvas, ((r, r), ((W - w0 * r) / 2, (H - h0 * r) / 2))  # as yolov5's scale_boxes
+
+
+def open_regular(path: str):
+    """path opened for reading in binary, if it is a regular file (ValueError if not): a FIFO,
+    socket or device is never read, as it could block forever or never end."""
+    # without O_NONBLOCK, opening a FIFO waits for a writer, perhaps forever
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    f = os.fdopen(fd, "rb")
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        f.close()
+        raise ValueError("not a regular file")
+    return f
+
+
+def decode(src) -> torch.Tensor:
+    """A path (a regular file within PIL's pixel limit), PIL image or array -> uint8 (h, w, 3):
+    EXIF-rotated, 8-bit RGB (to_rgb8: 16-bit and float images scaled, not clipped)."""
+    if isinstance(src, np.ndarray):
+        image = torch.from_numpy(np.array(src))
+    elif isinstance(src, Image.Image):
+        image = torch.from_numpy(np.array(to_rgb8(ImageOps.exif_transpose(src))))
+    else:
+        with open_regular(src) as f:
+            opened = Image.open(f)
+            (w, h), limit = opened.size, Image.MAX_IMAGE_PIXELS
+            # PIL only warns below twice its limit: gigabytes to decode
+            if limit and w * h > limit:
+                raise ValueError(f"{w}x{h} pixels, more than PIL's limit of {limit:,}")
+            image = torch.from_numpy(np.array(to_rgb8(ImageOps.exif_transpose(opened))))
+    if image.dtype != torch.uint8 or image.ndim != 3 or image.shape[2] != 3:
+        raise ValueError(f"an array of {image.dtype} {tuple(image.shape)}, not uint8 RGB")
+    return image
 
 
 def first_line(text) -> str:
@@ -158,23 +198,27 @@ def one_line(e: Exception) -> str:
 
 def read(item: tuple, imgsz: int, stride: int, classify: bool = False) -> dict:
     """(index, a path, PIL image or uint8 (h, w, 3) RGB array) -> {"index", "path", "image"
-    (EXIF-rotated), "input" (letterboxed; classify: centre square), "ratio_pad"} or "error"."""
+    (decode's), "input" (letterboxed; classify: centre square), "ratio_pad", "warnings" (PIL's
+    while decoding, each naming the image)} or {"index", "path", "error"}; it never raises."""
     k, src = item
     path = str(src) if isinstance(src, (str, Path)) else None
     try:
-        if not isinstance(src, np.ndarray):
-            src = ImageOps.exif_transpose(Image.open(src) if path else src).convert("RGB")
-        image = torch.from_numpy(np.array(src))
-        if image.dtype != torch.uint8 or image.ndim != 3 or image.shape[2] != 3:
-            raise ValueError(f"an array of {image.dtype} {tuple(image.shape)}, not uint8 RGB")
-    except Exception as e:  # missing, unreadable, not an image, truncated, ...
-        return dict(index=k, path=path, error=f"{type(e).__name__}: {e}")
-    if classify:  # as ClassifyDataset's validation input
-        square = TF.center_crop(image.permute(2, 0, 1), min(image.shape[:2]))
-        canvas, ratio_pad = TF.resize(square, [imgsz] * 2), None
-    else:
-        canvas, ratio_pad = letterbox(image, imgsz, stride)
-    return dict(index=k, path=path, image=image, input=canvas, ratio_pad=ratio_pad)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            image = decode(src)
+    except Exception as e:  # missing, unreadable, not an image, truncated, too large, ...
+        return dict(index=k, path=path, error=f"unreadable ({one_line(e)})")
+    try:
+        if classify:  # as ClassifyDataset's validation input
+            square = TF.center_crop(image.permute(2, 0, 1), min(image.shape[:2]))
+            canvas, ratio_pad = TF.resize(square, [imgsz] * 2), None
+        else:
+            canvas, ratio_pad = letterbox(image, imgsz, stride)
+    except Exception as e:  # an image of a shape the resizing cannot take
+        return dict(index=k, path=path, error=f"resizing failed ({one_line(e)})")
+    where = path or f"image {k} of the source"
+    notes = [f"{where}: {first_line(w.message)}" for w in caught]
+    return dict(index=k, path=path, image=image, input=canvas, ratio_pad=ratio_pad, warnings=notes)
 
 
 def by_shape(samples, batch_size: int):
@@ -188,15 +232,31 @@ def by_shape(samples, batch_size: int):
     yield from pending.values()
 
 
-@torch.no_grad()
 def stream(model, images, imgsz=640, batch_size=1, workers=0, polygons=False, amp=None, **nms):
-    """Yield an eval-mode Model's results on images (see read), batched by shape, out of order:
-    {"index", "path", "image", "names", "speed" (ms by STAGES)} and "probs" (nc,), or "boxes" (n, 6)
-    xyxy original px, conf, cls by descending conf, "masks" (n, h, w) or None, "polygons" (k, 2)."""
+    """Yield a Model's results on images (see read), batched by shape, out of order: {"index",
+    "path", "image", "names", "speed" (ms by STAGES), "warnings"} and "probs" (nc,), or "boxes"
+    (n, 6) xyxy original px, conf, cls by descending conf, "masks" (n, h, w) or None, "polygons"
+    (k, 2); or, for an image that failed (decoding, letterbox, post-processing), {"index", "path",
+    "error"}. The model runs in eval mode; its own mode is back once the generator ends. Each
+    warning is also issued as an ImageWarning."""
+    was_training = model.training
+    model.eval()
+    try:
+        settings = dict(imgsz=imgsz, batch_size=batch_size, workers=workers, amp=amp)
+        yield from predict_batches(model, images, nms, polygons=polygons, **settings)
+    finally:
+        model.train(was_training)
+
+
+@torch.no_grad()
+def predict_batches(model, images, nms: dict, imgsz, batch_size, workers, polygons, amp):
+    """stream's results, from an eval-mode model."""
     stride, classify = int(model.stride.max()), model.task == "classify"
-    decode = partial(read, imgsz=make_divisible(imgsz, stride), stride=stride, classify=classify)
+    load = partial(read, imgsz=make_divisible(imgsz, stride), stride=stride, classify=classify)
     items = list(enumerate(images))  # collate_fn: each item is decoded in the workers
-    loader = DataLoader(items, batch_size=None, num_workers=workers, collate_fn=decode)
+    # no more processes than there are CPUs or images (as training's loaders)
+    workers = min(workers, os.cpu_count() or 1, len(items))
+    loader = DataLoader(items, batch_size=None, num_workers=workers, collate_fn=load)
     for group in by_shape(loader, batch_size):
         if "error" in group[0]:
             yield group[0]
@@ -204,10 +264,27 @@ def stream(model, images, imgsz=640, batch_size=1, workers=0, polygons=False, am
         x = torch.stack([s["input"] for s in group])
         dets, protos, seconds = infer(model, x, PREDICT_NMS | nms, amp)
         dets = dets.softmax(1).cpu() if classify else dets
+        speed = seconds * 1000 / len(group)
         for s, det, proto in zip(group, dets, protos):
-            res = dict(index=s["index"], path=s["path"], image=s["image"], names=model.names)
-            out = dict(probs=det) if classify else to_original(det, proto, s, x.shape[2:], polygons)
-            yield res | dict(speed=seconds * 1000 / len(group)) | out
+            for note in s["warnings"]:
+                warnings.warn(note, ImageWarning, stacklevel=2)
+            found = dict(det=det, protos=proto, input_hw=x.shape[2:], polygons=polygons)
+            yield finish(s, names=model.names, speed=speed, classify=classify, found=found)
+
+
+def finish(sample: dict, names, speed, classify: bool, found: dict) -> dict:
+    """A sample's result from its logits or detections (found: to_original's arguments but the
+    sample); an "error" result if that fails."""
+    try:
+        if classify:
+            out = dict(probs=found["det"])
+        else:
+            out = to_original(sample=sample, **found)
+    except Exception as e:  # e.g. a mask or polygon of a degenerate image
+        why = f"post-processing failed ({one_line(e)})"
+        return dict(index=sample["index"], path=sample["path"], error=why)
+    res = dict(index=sample["index"], path=sample["path"], image=sample["image"], names=names)
+    return res | dict(speed=speed, warnings=sample["warnings"]) | out
 
 
 def to_original(det, protos, sample: dict, input_hw, polygons: bool) -> dict:
@@ -225,14 +302,12 @@ def to_original(det, protos, sample: dict, input_hw, polygons: bool) -> dict:
 
 
 def predict(model, images, **options) -> list[dict]:
-    """`stream`'s results in the order of the images; model: a Model or a weights file; images: as
-    source_images takes them (a path is one source, as predict.py's --source). The numeric
-    options are checked first (ValueError naming one)."""
+    """`stream`'s results in the order of the images; model: a Model (its train or eval mode
+    kept) or a weights file; images: as source_images takes them (a path is one source, as
+    predict.py's --source). The numeric options are checked first (ValueError naming one)."""
     check_options(options)
     if isinstance(model, (str, Path)):
         model = load_model(model)
-    else:
-        model = model.eval()
     return sorted(stream(model, source_images(images), **options), key=lambda r: r["index"])
 
 
@@ -346,18 +421,25 @@ def main(args: argparse.Namespace) -> dict:
         options = (args.imgsz, args.batch_size, args.workers, args.save_txt, amp)
         seen, n_det, speed, entries = 0, 0, np.zeros(3), []
         t0 = last = time.time()
-        for i, r in enumerate(stream(model, mine, *options, agnostic=args.agnostic_nms, **nms), 1):
-            if info.rank == 0 and time.time() - last > 10 and i < len(mine):  # progress, every 10 s
-                last, rate = time.time(), i / (time.time() - t0)
-                eta = f"eta {(len(mine) - i) / rate:.0f}s"
-                print(f"{i}/{len(mine)} images  {rate:.1f} images/s  {eta}", flush=True)
-            if "error" in r:
-                print(f"WARNING {r['path']}: unreadable, skipped ({r['error']})", flush=True)
-                continue
-            save(r, save_dir, args)
-            seen, n_det, speed = seen + 1, n_det + len(r.get("boxes", ())), speed + r["speed"]
-            if args.save_json:  # keyed by the file's place in the source
-                entries.append((info.rank + r["index"] * info.world_size, json_entry(r)))
+        with warnings.catch_warnings():
+            # each is printed below, one line naming its image
+            warnings.simplefilter("ignore", ImageWarning)
+            results = stream(model, mine, *options, agnostic=args.agnostic_nms, **nms)
+            for i, r in enumerate(results, 1):
+                # progress, every 10 s
+                if info.rank == 0 and time.time() - last > 10 and i < len(mine):
+                    last, rate = time.time(), i / (time.time() - t0)
+                    eta = f"eta {(len(mine) - i) / rate:.0f}s"
+                    print(f"{i}/{len(mine)} images  {rate:.1f} images/s  {eta}", flush=True)
+                for note in r.get("warnings", []):
+                    print(f"WARNING {note}", flush=True)
+                if "error" in r:
+                    print(f"WARNING {r['path']}: {r['error']}; skipped", flush=True)
+                    continue
+                save(r, save_dir, args)
+                seen, n_det, speed = seen + 1, n_det + len(r.get("boxes", ())), speed + r["speed"]
+                if args.save_json:  # keyed by the file's place in the source
+                    entries.append((info.rank + r["index"] * info.world_size, json_entry(r)))
         # every image is either seen or skipped (unreadable)
         ranks = dist.all_gather_object((seen, len(mine) - seen, n_det, speed, entries))
         seen, skipped, n_det, speed = (sum(r[i] for r in ranks) for i in range(4))
@@ -367,7 +449,7 @@ def main(args: argparse.Namespace) -> dict:
                 entries = [e for _, e in sorted(e for r in ranks for e in r[4])]
                 (save_dir / "predictions.json").write_text(json.dumps(entries))
             print(speed_line(speed, f"shape {(args.batch_size, 3, args.imgsz, args.imgsz)}"))
-            print(f"{seen} images" + (f", {skipped} unreadable ones skipped" if skipped else ""))
+            print(f"{seen} images" + (f", {skipped} skipped (named above)" if skipped else ""))
             print(f"Results saved to {save_dir}", flush=True)
         out = dict(save_dir=str(save_dir), images=seen, skipped=skipped, detections=n_det)
         return out | dict(speed=speed)

@@ -144,7 +144,7 @@ class YOLO:
         """stream's results for source (an image file, folder, glob or .txt list of paths, a PIL
         image, a uint8 (h, w, 3) RGB array, or a list of these) with predict.py's options
         (PREDICT_OPTIONS, checked first: ValueError naming one): a list in the source's order, or
-        a generator with stream=True."""
+        a generator with stream=True. The model keeps its train or eval mode."""
         model = self._model()
         fixed = {"weights": "", "source": ""}
         parser = predictor.get_args_parser()
@@ -155,7 +155,8 @@ class YOLO:
             device = dist.select_device(args.device)
         else:
             device = next(model.parameters()).device
-        model = model.to(device).eval()
+        # stream runs it in eval mode and gives it back in its own mode
+        model = model.to(device)
         nms = dict(conf_thres=args.conf_thres, iou_thres=args.iou_thres, max_det=args.max_det)
         results = predictor.stream(
             model,
