@@ -5,7 +5,9 @@ run folder and leave the source files as they were (md5)."""
 
 import contextlib
 import hashlib
+import json
 import os
+import re
 import shutil
 import signal
 import struct
@@ -109,6 +111,35 @@ def copy_images(fx: Path, folder: Path, names: dict) -> None:
 
 def one_line_error(err: str, command: str, words: str) -> bool:
     return err.startswith(f"{command}.py: error: {words}") and len(err.strip().splitlines()) == 1
+
+
+# ---------------------------------------------------------------- 1: crops outside the run folder
+def test_crop_folders_are_one_safe_component_each():
+    names = ["/abs/dir", "../../x", "..", "a/b", "a_b", "Cat", "cat", "", " . ", "x" * 300, "ok 1"]
+    want = ["_abs_dir", "_.._x", "class2", "a_b", "a_b_4", "Cat", "cat_6", "class7", "class8"]
+    assert predictor.crop_folders(names) == [*want, "x" * 200, "ok 1"]
+    assert predictor.crop_folders(["é/ü" * 100])[0].encode() == ("é_ü" * 40).encode()
+
+
+def test_class_names_cannot_put_crops_outside(fx, det, tmp_path, monkeypatch, capsys):
+    """A checkpoint's class names /abs/dir, ../../x and .. as crop folders: all crops land in
+    crops/<safe name>/ of the run folder."""
+    outside = tmp_path / "outside"
+    model = load_model(fx / "det.pt")
+    model.names = [str(outside), "../../escaped", ".."]
+    weights = YOLO(model).save(tmp_path / "hostile.pt")
+    copy_images(fx, tmp_path / "src", {"a.png": "sq00.png", "b.jpg": "sq01.jpg"})
+    before = digests(tmp_path)
+    code, out, err = predict_cli(
+        monkeypatch, capsys, weights, tmp_path / "src", tmp_path / "runs", "--save-crop"
+    )
+    assert code == 0, err
+    crops = tmp_path / "runs" / "exp" / "crops"
+    folders = sorted(p.name for p in crops.iterdir())
+    assert len(folders) >= 2 and set(folders) <= set(predictor.crop_folders(model.names))
+    assert all(p.parent.parent == crops for p in crops.rglob("*.jpg"))
+    assert only_run_folder_added(before, digests(tmp_path), "runs/exp")
+    assert not outside.exists() and not (tmp_path / "escaped").exists()
 
 
 # ---------------------------------------------------------------- 3: hangs in the sources
@@ -252,6 +283,137 @@ def test_16bit_and_float_files_predict_as_8bit(fx, det, tmp_path):
     assert len(first["boxes"]) > 0
     for r in others:
         assert torch.equal(r["image"], first["image"]) and torch.equal(r["boxes"], first["boxes"])
+
+
+# ---------------------------------------------------------------- 6: one image stops the run
+@pytest.mark.slow
+@pytest.mark.parametrize("weights,workers", [("det.pt", "0"), ("seg.pt", "2")])
+def test_degenerate_images_do_not_stop_the_run(fx, tmp_path, monkeypatch, capsys, weights, workers):
+    """5000 x 1, 1 x 3000 and 1 x 1 images (zero-area boxes) beside a broken one: all predicted,
+    crops saved, predictions.json written; the broken one named, skipped and counted."""
+    src = tmp_path / "src"
+    copy_images(fx, src, {"a_good.png": "sq00.png"})
+    for name, size in (("b_wide.png", (5000, 1)), ("c_tall.png", (1, 3000)), ("d_one.png", (1, 1))):
+        Image.new("RGB", size, (200, 40, 40)).save(src / name)
+    (src / "e_broken.jpg").write_bytes(b"\xff\xd8\xff not a JPEG")
+    before = digests(tmp_path)
+    saves = ["--save-crop", "--save-txt", "--save-json"]
+    more = [*saves, "--conf-thres", "0.001", "--max-det", "5", "--workers", workers]
+    code, out, err = predict_cli(monkeypatch, capsys, fx / weights, src, tmp_path / "runs", *more)
+    assert code == 0, err
+    assert f"WARNING {src / 'e_broken.jpg'}: unreadable (" in out
+    assert "4 images, 1 skipped (named above)" in out
+    run = tmp_path / "runs" / "exp"
+    entries = json.loads((run / "predictions.json").read_text())
+    assert [Path(e["file"]).name for e in entries] == sorted(os.listdir(src))[:4]
+    assert all(len(e["detections"]) > 0 for e in entries)
+    crops = [p.name for p in (run / "crops").rglob("*.jpg")]
+    assert len(crops) == sum(len(e["detections"]) for e in entries)
+    assert any(name.startswith("d_one_") for name in crops)
+    assert only_run_folder_added(before, digests(tmp_path), "runs/exp")
+    images = [Image.new("RGB", (5000, 1)), np.zeros((1, 1, 3), np.uint8), str(src / "a_good.png")]
+    for r in YOLO(fx / weights).predict(images, imgsz=64, workers=int(workers)):
+        assert "error" not in r and len(r["boxes"]) >= 0
+
+
+def test_failures_after_decoding_are_named_and_skipped(fx, tmp_path, monkeypatch, capsys):
+    """An image whose post-processing raises and one whose picture cannot be saved: each named,
+    skipped and counted; the others' files and predictions.json are written."""
+    src = tmp_path / "src"
+    copy_images(fx, src, {"a.png": "sq00.png", "b.png": "sq01.jpg", "c.png": "wide00.png"})
+    to_original = predictor.to_original
+    draw = predictor.draw
+
+    def post_processing(sample, **kw):
+        if sample["path"].endswith("a.png"):
+            raise RuntimeError("a mask the size of nothing")
+        return to_original(sample=sample, **kw)
+
+    def drawing(result, *args):
+        if result["path"].endswith("b.png"):
+            raise OSError("No space left on device")
+        return draw(result, *args)
+
+    monkeypatch.setattr(predictor, "to_original", post_processing)
+    monkeypatch.setattr(predictor, "draw", drawing)
+    more = ["--save-json", "--save-txt"]
+    code, out, err = predict_cli(monkeypatch, capsys, fx / "det.pt", src, tmp_path / "runs", *more)
+    assert code == 0, err
+    why = "post-processing failed (RuntimeError: a mask the size of nothing); skipped"
+    assert f"WARNING {src / 'a.png'}: {why}" in out
+    why = "saving failed (OSError: No space left on device); skipped"
+    assert f"WARNING {src / 'b.png'}: {why}" in out
+    assert "1 images, 2 skipped (named above)" in out
+    run = tmp_path / "runs" / "exp"
+    assert [e["file"] for e in json.loads((run / "predictions.json").read_text())] == [
+        str(src / "c.png")
+    ]
+    assert sorted(os.listdir(run)) == ["c.png", "labels", "predictions.json"]
+
+
+# ---------------------------------------------------------------- 7: outputs overwritten
+def test_repeated_names_are_kept_apart(fx, tmp_path, monkeypatch, capsys):
+    """a/x.jpg, a/x.png, b/x.png (a .txt list, relative to its folder, read from elsewhere): their
+    pictures, labels and crops are x, x_2, x_3; two emulated ranks write the same files."""
+    data = tmp_path / "data"
+    copy_images(fx, data / "a", {"x.jpg": "sq01.jpg", "x.png": "wide00.png"})
+    copy_images(fx, data / "b", {"x.png": "tall00.png"})
+    (data / "list.txt").write_text("a/x.jpg\na/x.png\nb/x.png\n")
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    before = digests(tmp_path)
+    more = ["--save-txt", "--save-crop", "--save-json", "--name", "one"]
+    code, out, err = predict_cli(monkeypatch, capsys, fx / "det.pt", data / "list.txt", ".", *more)
+    assert code == 0 and "3 images" in out, err
+    run = Path("one")
+    names = sorted(p.name for p in run.iterdir())
+    assert names == ["crops", "labels", "predictions.json", "x.jpg", "x_2.png", "x_3.png"]
+    entries = json.loads((run / "predictions.json").read_text())
+    for stem, entry in zip(["x", "x_2", "x_3"], entries):
+        picture = Image.open(run / f"{stem}{Path(entry['file']).suffix}")
+        assert picture.size == (entry["width"], entry["height"])
+        lines = (run / "labels" / f"{stem}.txt").read_text().splitlines()
+        crops = [c for c in (run / "crops").rglob("*.jpg") if re.fullmatch(rf"{stem}_\d+", c.stem)]
+        assert len(lines) == len(crops) == len(entry["detections"]) > 0, stem
+    info = dist.DistInfo(0, 2, 2, torch.device("cpu"))
+    monkeypatch.setattr(dist, "all_gather_object", lambda obj: [obj])
+    for rank in (0, 1):
+        monkeypatch.setattr(dist, "setup", lambda device: info._replace(rank=rank))
+        more = ["--save-txt", "--save-crop", "--name", "two", "--exist-ok"]
+        predict_cli(monkeypatch, capsys, fx / "det.pt", data / "list.txt", ".", *more)
+    one, two = digests(run), digests(Path("two"))
+    assert {k: v for k, v in one.items() if k != "predictions.json"} == two
+    assert only_run_folder_added(before, digests(tmp_path), "elsewhere")
+
+
+def test_a_run_folder_holding_sources_is_refused(fx, tmp_path, monkeypatch, capsys):
+    """--project/--name onto the source folder (directly, through a link to it, or holding the
+    .txt list): exit 2, one line, nothing written. A run folder with a link to a source image
+    gets a file of its own there; the source stays as it was."""
+    photos = tmp_path / "photos"
+    copy_images(fx, photos, {"x.png": "sq00.png", "y.png": "sq01.jpg"})
+    (tmp_path / "link").symlink_to("photos")
+    (photos / "list.txt").write_text("x.png\n")
+    before = digests(tmp_path)
+    for name, source in (("photos", photos), ("link", photos), ("photos", photos / "list.txt")):
+        more = ["--name", name, "--exist-ok"]
+        code, _, err = predict_cli(monkeypatch, capsys, fx / "det.pt", source, tmp_path, *more)
+        words = f"--project/--name: the run folder {tmp_path / name} holds the source file"
+        assert code == 2 and one_line_error(err, "predict", words), err
+    assert digests(tmp_path) == before and sorted(os.listdir(photos)) == [
+        "list.txt",
+        "x.png",
+        "y.png",
+    ]
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    (out_dir / "x.png").symlink_to(photos / "x.png")
+    more = ["--name", "out", "--exist-ok"]
+    code, _, err = predict_cli(
+        monkeypatch, capsys, fx / "det.pt", photos / "x.png", tmp_path, *more
+    )
+    assert code == 0 and not (out_dir / "x.png").is_symlink(), err
+    assert digests(photos) == {k[7:]: v for k, v in before.items() if k.startswith("photos/")}
 
 
 # ---------------------------------------------------------------- 12: sources and the API

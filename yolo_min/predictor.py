@@ -1,6 +1,14 @@
 """Prediction as yolov5's detect.py: boxes (and masks), or a classifier's top 5. `stream` is the
 loop (`YOLO.predict`); `main` runs it on a source and writes yolov5's outputs (predict.py), each
-rank on its share of the files under torchrun."""
+rank on its share of the files under torchrun.
+
+Hostile input: only regular files are read (a FIFO named x.jpg is skipped, never waited on), each
+real file once; an image that cannot be decoded, resized, post-processed or saved is named,
+skipped and counted while the rest goes on; 16-bit and float images are scaled to 8 bits
+(datasets.to_rgb8). Everything is written inside the run folder: crops under crops/<the class
+name as one safe folder name>/ (crop_folders), repeated image names kept apart (output_stems);
+a run folder that holds a source file is refused (check_run_folder), and each output replaces
+the file at its path rather than writing through it (replace_file)."""
 
 from __future__ import annotations
 
@@ -8,6 +16,7 @@ import argparse
 import glob
 import json
 import os
+import re
 import stat
 import time
 import warnings
@@ -22,7 +31,7 @@ from torch.utils.data import DataLoader
 
 from . import dist, ops, plots
 from .checkpoint import next_run_dir
-from .cli import parse_kwargs
+from .cli import ConfigError, parse_kwargs
 from .datasets import to_rgb8
 from .labels import IMG_FORMATS, DataError
 from .models import amp_dtype, make_divisible
@@ -30,6 +39,9 @@ from .safe_load import load_model
 from .validator import STAGES, base_parser, check_options, infer, speed_line
 
 PREDICT_NMS = dict(conf_thres=0.25, iou_thres=0.45, max_det=1000)  # yolov5's detect.py
+# characters that are no part of a safe file name on Linux, macOS or Windows
+UNSAFE_CHARACTERS = re.compile(r'[\x00-\x1f\x7f/\\:*?"<>|]')
+MAX_FOLDER_BYTES = 200  # a crop folder's name, in UTF-8 (file systems allow 255)
 
 
 class ImageWarning(UserWarning):
@@ -360,18 +372,102 @@ def json_entry(result: dict) -> dict:
     return entry | dict(detections=dets)
 
 
-def save(result: dict, save_dir: Path, args) -> None:
-    """An image's outputs: its drawing, labels/<stem>.txt (if it has detections) and crops."""
+def crop_folders(names) -> list[str]:
+    """--save-crop's folder under crops/ for each class: its name made one safe path component
+    (safe_name; an empty one: class<k>), with _<k> (its class index k) added while another class
+    has that folder already (names that differ only in case share one on some file systems)."""
+    folders = []
+    taken = set()
+    for k, name in enumerate(names):
+        folder = safe_name(str(name)) or f"class{k}"
+        while folder.casefold() in taken:
+            folder = f"{folder}_{k}"
+        taken.add(folder.casefold())
+        folders.append(folder)
+    return folders
+
+
+def safe_name(name: str) -> str:
+    """name as a single file name: / \\ : * ? " < > | and control characters as _, leading and
+    trailing dots and spaces dropped (no `.` or `..`), at most MAX_FOLDER_BYTES in UTF-8."""
+    clean = UNSAFE_CHARACTERS.sub("_", name).strip(" .")
+    return clean.encode()[:MAX_FOLDER_BYTES].decode(errors="ignore")
+
+
+def output_stems(files: list[str]) -> list[str]:
+    """The name each source file's outputs take (<stem>.<ext>, labels/<stem>.txt, crops
+    <stem>_<k>.jpg): its stem, with _2, _3, ... added to a stem met before in the source's order
+    (also one met in another case), so that no output replaces another."""
+    stems = []
+    taken = set()
+    for f in files:
+        stem = Path(f).stem
+        unique = stem
+        n = 2
+        while unique.casefold() in taken:
+            unique = f"{stem}_{n}"
+            n += 1
+        taken.add(unique.casefold())
+        stems.append(unique)
+    return stems
+
+
+def check_run_folder(save_dir: Path, files: list[str], source: str) -> None:
+    """ConfigError if the run folder holds a source image (or the .txt list), by the path given
+    or the file it links to: predicting into it would replace the user's images."""
+    run = Path(os.path.realpath(save_dir))
+    inputs = [*files, source] if Path(source).is_file() else files
+    for f in inputs:
+        # the entry itself (its folder resolved), and the file it may link to
+        entry = Path(os.path.realpath(os.path.dirname(os.path.abspath(f)))) / os.path.basename(f)
+        target = Path(os.path.realpath(f))
+        if any(p == run or run in p.parents for p in (entry, target)):
+            why = f"the run folder {save_dir} holds the source file {f}"
+            raise ConfigError(f"--project/--name: {why}; predict into another folder")
+
+
+def replace_file(path: Path, write) -> None:
+    """write(a temporary file beside path), then rename it over path: a file or link already at
+    path is replaced, never written through, and no half-written file is left."""
+    # short, whatever path's length; one file at a time in a process
+    tmp = path.with_name(f".yolo_min-{os.getpid()}.tmp{path.suffix}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def crop_box(box: list, width: int, height: int) -> list[int]:
+    """A box in whole pixels as a crop inside the image, at least 1 x 1 (PIL writes no empty
+    image)."""
+    x1, y1, x2, y2 = (int(v) for v in box)
+    x1 = min(max(x1, 0), width - 1)
+    y1 = min(max(y1, 0), height - 1)
+    x2 = min(max(x2, x1 + 1), width)
+    y2 = min(max(y2, y1 + 1), height)
+    return [x1, y1, x2, y2]
+
+
+def save(result: dict, save_dir: Path, args, stem: str, folders: list[str]) -> None:
+    """An image's outputs under stem (output_stems): its drawing <stem>.<ext>, labels/<stem>.txt
+    (if it has detections) and crops/<folders[class]>/<stem>_<k>.jpg."""
     path, boxes = Path(result["path"]), result.get("boxes", torch.zeros(0, 6))
+    ext = path.name.rpartition(".")[2]
     if not args.nosave:
         picture = draw(result, args.line_width, not args.hide_labels, not args.hide_conf)
-        picture.save(save_dir / path.name)
+        # the format by the source's extension, whatever the temporary file's name
+        kind = Image.registered_extensions()[f".{ext.lower()}"]
+        replace_file(save_dir / f"{stem}.{ext}", partial(picture.save, format=kind))
     if args.save_txt and (len(boxes) or "probs" in result):
-        (save_dir / "labels" / f"{path.stem}.txt").write_text(label_lines(result, args.save_conf))
+        text = label_lines(result, args.save_conf)
+        replace_file(save_dir / "labels" / f"{stem}.txt", lambda tmp: tmp.write_text(text))
+    image = Image.fromarray(result["image"].numpy()) if args.save_crop else None
     for k, (*box, _, c) in enumerate(boxes.tolist() if args.save_crop else []):
-        crop = save_dir / "crops" / result["names"][int(c)] / f"{path.stem}_{k}.jpg"
-        crop.parent.mkdir(parents=True, exist_ok=True)
-        Image.fromarray(result["image"].numpy()).crop(box).save(crop)  # box: whole pixels
+        crop = image.crop(crop_box(box, width=image.width, height=image.height))
+        folder = save_dir / "crops" / folders[int(c)]
+        folder.mkdir(parents=True, exist_ok=True)
+        replace_file(folder / f"{stem}_{k}.jpg", crop.save)
 
 
 def get_args_parser() -> argparse.ArgumentParser:
@@ -381,13 +477,23 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--classes", nargs="+", type=int, help="keep only these classes")
     p.add_argument("--agnostic-nms", action="store_true", help="NMS across classes")
     p.add_argument("--batch-size", type=int, default=1, help="per rank, >= 1")
-    p.add_argument("--workers", type=int, default=0, help="image decoding processes per rank, >= 0")
-    p.add_argument("--save-txt", action="store_true", help="labels/<image>.txt, yolov5's format")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=0,
+        help="image decoding processes per rank, >= 0 (at most the CPUs)",
+    )
+    labels = "labels/<image>.txt, yolov5's format (a repeated image name: <image>_2, _3, ...)"
+    p.add_argument("--save-txt", action="store_true", help=labels)
     p.add_argument("--save-conf", action="store_true", help="confidences in --save-txt labels")
-    p.add_argument("--save-crop", action="store_true", help="crops/<class>/<image>_<k>.jpg")
+    crops = "crops/<class>/<image>_<k>.jpg; <class>: the class name as one safe folder name"
+    crops += ' (/ \\ : * ? " < > | and control characters as _, no leading or trailing dots'
+    crops += " or spaces; empty: class<index>; _<index> added if two classes would share one)"
+    p.add_argument("--save-crop", action="store_true", help=crops)
     p.add_argument("--save-json", action="store_true", help="predictions.json for the source")
     p.add_argument("--nosave", action="store_true", help="no annotated images")
-    p.add_argument("--line-width", type=int, help="box width in pixels, >= 1 (default: by size)")
+    width = "box width in pixels, >= 1 (default: by size)"
+    p.add_argument("--line-width", type=int, help=width)
     p.add_argument("--hide-labels", action="store_true")
     p.add_argument("--hide-conf", action="store_true")
     return p
@@ -402,11 +508,17 @@ def predict_amp(device: torch.device, amp: str) -> torch.dtype | None:
 
 
 def main(args: argparse.Namespace) -> dict:
-    """Predict --source, sharded -> {"save_dir", "images", "skipped", "detections", "speed"}."""
+    """Predict --source, sharded -> {"save_dir", "images", "skipped", "detections", "speed"}. The
+    options, the source and the run folder are checked before the model is loaded."""
     # before the process group and the model: a bad number costs nothing
     check_options(vars(args))
     info = dist.setup(args.device)
     try:
+        files = find_images(args.source)
+        # named before sharding: the same names in one process and under torchrun
+        stems = output_stems(files)
+        save_dir = dist.run_on_main(next_run_dir, args.project, args.name, args.exist_ok)
+        check_run_folder(save_dir, files, args.source)
         amp = predict_amp(info.device, args.amp)
         layout = torch.channels_last if args.amp != "off" else None  # faster, in fp32 too
         model = load_model(args.weights, info.device).fuse().to(memory_format=layout)
@@ -414,40 +526,19 @@ def main(args: argparse.Namespace) -> dict:
             nc = f"{args.weights} has classes 0 to {model.nc - 1}"
             raise ValueError(f"--classes {' '.join(map(str, args.classes))}: {nc}")
         args.imgsz = make_divisible(args.imgsz, int(model.stride.max()))
-        mine = find_images(args.source)[info.rank :: info.world_size]  # this rank's share
-        save_dir = dist.run_on_main(next_run_dir, args.project, args.name, args.exist_ok)
         (save_dir / "labels" if args.save_txt else save_dir).mkdir(parents=True, exist_ok=True)
-        nms = {k: getattr(args, k) for k in ("conf_thres", "iou_thres", "max_det", "classes")}
-        options = (args.imgsz, args.batch_size, args.workers, args.save_txt, amp)
-        seen, n_det, speed, entries = 0, 0, np.zeros(3), []
-        t0 = last = time.time()
-        with warnings.catch_warnings():
-            # each is printed below, one line naming its image
-            warnings.simplefilter("ignore", ImageWarning)
-            results = stream(model, mine, *options, agnostic=args.agnostic_nms, **nms)
-            for i, r in enumerate(results, 1):
-                # progress, every 10 s
-                if info.rank == 0 and time.time() - last > 10 and i < len(mine):
-                    last, rate = time.time(), i / (time.time() - t0)
-                    eta = f"eta {(len(mine) - i) / rate:.0f}s"
-                    print(f"{i}/{len(mine)} images  {rate:.1f} images/s  {eta}", flush=True)
-                for note in r.get("warnings", []):
-                    print(f"WARNING {note}", flush=True)
-                if "error" in r:
-                    print(f"WARNING {r['path']}: {r['error']}; skipped", flush=True)
-                    continue
-                save(r, save_dir, args)
-                seen, n_det, speed = seen + 1, n_det + len(r.get("boxes", ())), speed + r["speed"]
-                if args.save_json:  # keyed by the file's place in the source
-                    entries.append((info.rank + r["index"] * info.world_size, json_entry(r)))
-        # every image is either seen or skipped (unreadable)
-        ranks = dist.all_gather_object((seen, len(mine) - seen, n_det, speed, entries))
+        share = slice(info.rank, None, info.world_size)  # this rank's files
+        mine = dict(files=files[share], stems=stems[share], save_dir=save_dir, amp=amp)
+        counts = predict_share(model, args, info, **mine)
+        ranks = dist.all_gather_object(counts)
         seen, skipped, n_det, speed = (sum(r[i] for r in ranks) for i in range(4))
         speed = dict(zip(STAGES, (speed / max(seen, 1)).tolist()))
         if info.rank == 0:
             if args.save_json:
+                # each entry keyed by its file's place in the source
                 entries = [e for _, e in sorted(e for r in ranks for e in r[4])]
-                (save_dir / "predictions.json").write_text(json.dumps(entries))
+                text = json.dumps(entries)
+                replace_file(save_dir / "predictions.json", lambda tmp: tmp.write_text(text))
             print(speed_line(speed, f"shape {(args.batch_size, 3, args.imgsz, args.imgsz)}"))
             print(f"{seen} images" + (f", {skipped} skipped (named above)" if skipped else ""))
             print(f"Results saved to {save_dir}", flush=True)
@@ -455,6 +546,57 @@ def main(args: argparse.Namespace) -> dict:
         return out | dict(speed=speed)
     finally:
         dist.cleanup()
+
+
+def predict_share(model, args, info, files, stems, save_dir: Path, amp) -> tuple:
+    """This rank's files predicted and saved -> (seen, skipped, detections, summed speed, json
+    entries as (place in the whole source, entry)); a failed image is named and skipped."""
+    nms = {k: getattr(args, k) for k in ("conf_thres", "iou_thres", "max_det", "classes")}
+    nms |= dict(agnostic=args.agnostic_nms, polygons=args.save_txt, amp=amp)
+    sizes = dict(imgsz=args.imgsz, batch_size=args.batch_size, workers=args.workers)
+    folders = crop_folders(model.names)
+    seen = 0
+    n_det = 0
+    speed = np.zeros(3)
+    entries = []
+    t0 = last = time.time()
+    with warnings.catch_warnings():
+        # each is printed below, one line naming its image
+        warnings.simplefilter("ignore", ImageWarning)
+        for i, r in enumerate(stream(model, files, **sizes, **nms), 1):
+            # progress, every 10 s
+            if info.rank == 0 and time.time() - last > 10 and i < len(files):
+                last = time.time()
+                rate = i / (last - t0)
+                eta = f"eta {(len(files) - i) / rate:.0f}s"
+                print(f"{i}/{len(files)} images  {rate:.1f} images/s  {eta}", flush=True)
+            entry = save_result(r, save_dir, args, stem=stems[r["index"]], folders=folders)
+            if entry is None:
+                continue
+            seen += 1
+            n_det += len(r.get("boxes", ()))
+            speed = speed + r["speed"]
+            if args.save_json:
+                entries.append((info.rank + r["index"] * info.world_size, entry))
+    # every image is either seen or skipped (named)
+    return seen, len(files) - seen, n_det, speed, entries
+
+
+def save_result(result: dict, save_dir: Path, args, stem: str, folders: list) -> dict | None:
+    """Print a result's warnings and save its outputs -> its --save-json entry ({} without), or
+    None when it failed (named: an image that failed is skipped, the run goes on)."""
+    for note in result.get("warnings", []):
+        print(f"WARNING {note}", flush=True)
+    if "error" in result:
+        print(f"WARNING {result['path']}: {result['error']}; skipped", flush=True)
+        return None
+    try:
+        entry = json_entry(result) if args.save_json else {}
+        save(result, save_dir, args, stem=stem, folders=folders)
+    except Exception as e:  # e.g. a full disk, an image PIL cannot write
+        print(f"WARNING {result['path']}: saving failed ({one_line(e)}); skipped", flush=True)
+        return None
+    return entry
 
 
 def run(**kwargs) -> dict:
