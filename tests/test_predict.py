@@ -171,19 +171,21 @@ def test_scale_masks_and_boxes_invert_odd_letterbox(h0, portrait):
 
 
 def test_sources(tmp_path, monkeypatch):
-    """An image, a folder (sorted, not recursive, images only), a glob, a .txt list relative to
-    the working directory; nothing found: one line."""
+    """An image, a folder (sorted, not recursive, images only), a glob, a .txt list (relative
+    lines: to the list's folder, as training's lists); nothing found: one line."""
     (tmp_path / "sub").mkdir()
     (tmp_path / "no [images]").mkdir()
     for name in ("b.jpg", "a.PNG", "c.txt", "sub/d.jpg", "no [images]/e.txt"):
         Image.new("RGB", (8, 8)).save(tmp_path / name, "PNG") if "txt" not in name else None
     (tmp_path / "c.txt").write_text("a.PNG\n\nsub/d.jpg\n")
+    (tmp_path / "sub" / "e.txt").write_text("d.jpg\n../b.jpg\n")
     (tmp_path / "no [images]" / "e.txt").write_text("")
     monkeypatch.chdir(tmp_path)
     assert predictor.find_images("b.jpg") == ["b.jpg"]
     assert predictor.find_images(".") == ["a.PNG", "b.jpg"]
     assert predictor.find_images("**/*.jpg") == ["b.jpg", "sub/d.jpg"]
     assert predictor.find_images("c.txt") == ["a.PNG", "sub/d.jpg"]
+    assert predictor.find_images("sub/e.txt") == ["sub/d.jpg", "sub/../b.jpg"]
     bad = {"nope": "nope: not found", "sub/*.png": "not found", "no [images]": "no images"}
     for source, why in bad.items():
         with pytest.raises(ValueError, match=why):
@@ -345,7 +347,7 @@ def test_unreadable_images_are_named_skipped_and_counted(fixtures_dir, tmp_path,
     out = run_predict(tmp_path, "exp", weights=weights, source=source, imgsz=160, save_txt=True)
     text = capsys.readouterr().out
     assert "broken.jpg: unreadable" in text and "gone.png: unreadable" in text
-    assert "1 images, 2 unreadable ones skipped" in text and "Speed: " in text
+    assert "1 images, 2 skipped (named above)" in text and "Speed: " in text
     assert sorted(p.name for p in out.iterdir()) == ["good.png", "labels"]
 
 

@@ -169,7 +169,7 @@ class YOLODataset(Dataset):
             if scale < 1:
                 im.draft("RGB", (math.ceil(im.width * scale), math.ceil(im.height * scale)))
             im = ImageOps.exif_transpose(im) if im.getexif().get(0x0112, 1) != 1 else im
-            im = im if im.mode == "RGB" else im.convert("RGB")
+            im = to_rgb8(im)
             im = im.resize(wh, Image.Resampling.BILINEAR) if wh else im
         except Exception as e:
             raise DataError(f"{f}: unreadable now ({e}); it changed after verification") from e
@@ -238,9 +238,45 @@ class YOLODataset(Dataset):
         return dict(cls=cls, boxes=boxes, polygons=polygons)
 
 
+def to_rgb8(image: Image.Image) -> Image.Image:
+    """An image of any PIL mode as 8-bit RGB, its values scaled rather than clipped: 16-bit
+    (I;16*) by >> 8; 32-bit integers (I) as 16-bit when all lie in 0..65535, else by >> 23 (the
+    range 0..2^31-1), negative values as 0; floats (F) by 255 when all finite values lie in 0..1,
+    else clipped to 0..255 (NaN as 0). Other modes (1, L, LA, P, PA, RGBA, CMYK, YCbCr, ...):
+    PIL's convert("RGB")."""
+    if image.mode == "RGB":
+        return image
+    if image.mode == "F":
+        grey = float_to_uint8(np.asarray(image))
+    elif image.mode == "I" or image.mode.startswith("I;"):
+        grey = int_to_uint8(np.asarray(image))
+    else:
+        return image.convert("RGB")
+    return Image.fromarray(grey, "L").convert("RGB")
+
+
+def float_to_uint8(values: np.ndarray) -> np.ndarray:
+    """Float pixels -> uint8: x 255 if the finite ones all lie in [0, 1], else clipped to 0..255."""
+    finite = values[np.isfinite(values)]
+    scale = 1.0
+    if finite.size == 0 or (finite.min() >= 0 and finite.max() <= 1):
+        scale = 255.0
+    scaled = np.nan_to_num(values.astype(np.float64) * scale, nan=0.0, posinf=255.0, neginf=0.0)
+    return np.clip(scaled, 0, 255).round().astype(np.uint8)
+
+
+def int_to_uint8(values: np.ndarray) -> np.ndarray:
+    """Integer pixels -> uint8: 16-bit (all in 0..65535) >> 8, else 31-bit >> 23; negative: 0."""
+    wide = np.clip(values.astype(np.int64), 0, None)
+    shift = 8
+    if wide.size and wide.max() > 65535:
+        shift = 23
+    return np.clip(wide >> shift, 0, 255).astype(np.uint8)
+
+
 def load_rgb(path: str) -> Image.Image:
-    """An image file as RGB, turned as its EXIF orientation says."""
-    return ImageOps.exif_transpose(Image.open(path)).convert("RGB")
+    """An image file as 8-bit RGB (to_rgb8), turned as its EXIF orientation says."""
+    return to_rgb8(ImageOps.exif_transpose(Image.open(path)))
 
 
 def center_square(im: Image.Image) -> Image.Image:
