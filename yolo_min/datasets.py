@@ -43,7 +43,8 @@ def load_data_config(path: str) -> dict:
     if p.is_dir():
         return load_folder_data(p)
     if not p.exists():
-        raise DataError(f"data yaml {path} not found")
+        embedded = "the embedded datasets are shapes (detect, segment) and shapes-cls (classify)"
+        raise DataError(f"data yaml {path} not found; {embedded}")
     try:
         cfg = read_yaml(p, "data yaml")
     except FileError as e:

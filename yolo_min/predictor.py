@@ -36,7 +36,7 @@ from .datasets import to_rgb8
 from .labels import IMG_FORMATS, DataError
 from .models import amp_dtype, make_divisible
 from .safe_load import load_model
-from .validator import STAGES, base_parser, check_options, infer, speed_line
+from .validator import STAGES, base_parser, check_options, infer, round_imgsz, speed_line
 
 PREDICT_NMS = dict(conf_thres=0.25, iou_thres=0.45, max_det=1000)  # yolov5's detect.py
 # characters that are no part of a safe file name on Linux, macOS or Windows
@@ -525,7 +525,7 @@ def main(args: argparse.Namespace) -> dict:
         if args.classes and not all(0 <= c < model.nc for c in args.classes):
             nc = f"{args.weights} has classes 0 to {model.nc - 1}"
             raise ValueError(f"--classes {' '.join(map(str, args.classes))}: {nc}")
-        args.imgsz = make_divisible(args.imgsz, int(model.stride.max()))
+        args.imgsz = round_imgsz(args.imgsz, int(model.stride.max()))
         (save_dir / "labels" if args.save_txt else save_dir).mkdir(parents=True, exist_ok=True)
         share = slice(info.rank, None, info.world_size)  # this rank's files
         mine = dict(files=files[share], stems=stems[share], save_dir=save_dir, amp=amp)

@@ -29,7 +29,7 @@ from .datasets import ClassifyDataset, YOLODataset, build_dataloader
 from .files import read_yaml
 from .losses import ClassifyLoss, YOLOLoss, scale_hyp
 from .metrics import KINDS, metric_names
-from .models import CFG_DIR, Model, ModelEMA, amp_dtype, de_parallel, make_divisible
+from .models import CFG_DIR, Model, ModelEMA, amp_dtype, de_parallel
 from .plots import draw_batch
 
 NOMINAL_BATCH = 64  # detection: gradients accumulate over this many images before a step
@@ -160,9 +160,7 @@ def check_args(args: argparse.Namespace, task: str, world_size: int) -> None:
         raise ConfigError("--cache must be auto, ram or off, and --freeze integers")
     if args.optimizer not in OPTIMIZERS:
         raise ConfigError(f"--optimizer {args.optimizer}: one of {', '.join(OPTIMIZERS)}")
-    if (size := make_divisible(args.imgsz, 32)) != args.imgsz:
-        dist.print0(f"warning: --imgsz {args.imgsz} is not a multiple of 32, using {size}")
-        args.imgsz = size
+    args.imgsz = validator.round_imgsz(args.imgsz, 32)
 
 
 def check_numbers(args: argparse.Namespace, world_size: int) -> None:

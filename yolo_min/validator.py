@@ -136,6 +136,14 @@ def now(device: torch.device) -> float:
     return time.perf_counter()
 
 
+def round_imgsz(imgsz: int, stride: int) -> int:
+    """imgsz rounded up to a multiple of the stride, with a warning (rank 0) if that changes it."""
+    size = make_divisible(imgsz, stride)
+    if size != imgsz:
+        dist.print0(f"warning: --imgsz {imgsz} is not a multiple of {stride}, using {size}")
+    return size
+
+
 def speed_line(speed: dict, at: str) -> str:
     """yolov5's "Speed: ..." line of ms per image by STAGES."""
     stages = zip(STAGES, ("pre-process", "inference", "NMS"))
@@ -229,7 +237,7 @@ def main(args: argparse.Namespace, model=None) -> dict:
             model = load_model(args.weights, info.device)
         model = model.to(info.device, memory_format=layout)
         source = args.weights or "the model"
-        imgsz = make_divisible(args.imgsz, int(model.stride.max()))
+        imgsz = round_imgsz(args.imgsz, int(model.stride.max()))
         local = dict(local_world_size=info.local_world_size)
         with dist.main_first():  # local rank 0 verifies the labels and writes their cache first
             data = datasets.load_data_config(args.data)

@@ -161,7 +161,7 @@ class YOLO:
         results = predictor.stream(
             model,
             images,
-            imgsz=args.imgsz,
+            imgsz=validator.round_imgsz(args.imgsz, int(model.stride.max())),
             batch_size=args.batch_size,
             workers=args.workers,
             amp=predictor.predict_amp(device, args.amp),
