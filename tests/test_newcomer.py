@@ -42,9 +42,23 @@ def test_val_and_predict_round_imgsz_as_train_does(fixtures_dir, small_shapes, t
     assert args.imgsz == 128 and warning in capsys.readouterr().out
 
 
-def test_an_unknown_option_on_the_command_line_is_one_line(monkeypatch, capsys):
+def test_an_unknown_option_on_the_command_line_is_one_line(monkeypatch, capsys, tmp_path):
+    """An abbreviation is unknown too: --epoch is not --epochs, as in the Python API."""
+    monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", ["train.py", "--epoch", "3"])
     with pytest.raises(SystemExit) as stop:
         cli.run_command(trainer.main, trainer.get_args_parser(), errors=(cli.ConfigError,))
     err = capsys.readouterr().err
     assert stop.value.code == 2 and "unrecognized arguments: --epoch 3" in err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_val_and_predict_take_no_abbreviations():
+    val_args = ["--weights", "w.pt", "--data", "shapes"]
+    predict_args = ["--weights", "w.pt", "--source", "x"]
+    assert validator.get_args_parser().parse_args(val_args + ["--conf-thres", "0.5"])
+    assert predictor.get_args_parser().parse_args(predict_args + ["--conf-thres", "0.5"])
+    with pytest.raises(SystemExit):
+        validator.get_args_parser().parse_args(val_args + ["--conf", "0.5"])
+    with pytest.raises(SystemExit):
+        predictor.get_args_parser().parse_args(predict_args + ["--conf", "0.5"])

@@ -79,7 +79,9 @@ ONE_IMAGE = "BatchNorm cannot train on 1 image when the last feature map is 1x1 
 
 
 def get_args_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="Train YOLOv5 detection, segmentation, classification")
+    description = "Train YOLOv5 detection, segmentation, classification"
+    # No abbreviations: the Python API takes only whole names, and so does the command line.
+    p = argparse.ArgumentParser(description=description, allow_abbrev=False)
     p.add_argument("--cfg", default="yolov5n.yaml", help="model cfg; its head sets the task")
     p.add_argument("--data", default="shapes", help="data yaml or folder, 'shapes', 'shapes-cls'")
     p.add_argument("--hyp", default="", help="yaml overriding keys of the recipe")

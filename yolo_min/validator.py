@@ -197,7 +197,8 @@ def check_options(options: dict) -> None:
 
 def base_parser(description: str, nms: dict, project: str) -> argparse.ArgumentParser:
     """The options of val.py and predict.py; nms: the defaults of conf_thres, iou_thres, max_det."""
-    p = argparse.ArgumentParser(description=description)
+    # No abbreviations: the Python API takes only whole names, and so does the command line.
+    p = argparse.ArgumentParser(description=description, allow_abbrev=False)
     p.add_argument("--weights", required=True, help="yolo_min checkpoint or yolov5 .pt")
     size = "long side, 32 to 8192 (rounded up to a multiple of the stride)"
     p.add_argument("--imgsz", type=int, default=640, help=size)
