@@ -10,7 +10,7 @@ import os
 import signal
 import sys
 
-from yolo_min import checkpoint, cli, trainer
+from yolo_min import checkpoint, cli, dist, trainer
 
 
 def stop_on_sigterm(signum, frame):
@@ -31,9 +31,12 @@ def main() -> None:
         # last.pt holds the last good epoch
         sys.exit(f"train.py: {e}")
     except KeyboardInterrupt as e:
-        why = str(e) or "SIGINT"
-        last = "weights/last.pt holds the last completed epoch"
-        print(f"train.py: stopped by {why}; {last}", file=sys.stderr)
+        # trainer.Stopped: (the signal, what the run folder holds); else stopped before training
+        why = e.args[0] if e.args else "SIGINT"
+        note = e.args[1] if len(e.args) > 1 else "no run folder was written"
+        # under torchrun every rank is stopped: rank 0 says it once
+        if dist.env_rank() == 0:
+            print(f"train.py: stopped by {why}; {note}", file=sys.stderr)
         sys.exit(143 if why == "SIGTERM" else 130)
 
 

@@ -1,8 +1,10 @@
 """Classification: YOLOv5-cls models against yolov5 fixtures, the yolov5 classifier import, the
-ImageFolder data (errors, corrupt images, transforms, per-sample seeding), top-k metrics, and the
-embedded shapes-cls dataset."""
+ImageFolder data (errors, corrupt images, transforms, per-sample seeding), top-k metrics, the
+embedded shapes-cls dataset, and predict.py and val.py on a classifier (its input, its top 5)."""
 
 import csv
+import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -10,8 +12,8 @@ import pytest
 import torch
 from PIL import Image
 
-from yolo_min import shapes
-from yolo_min.datasets import ClassifyDataset, build_dataloader, load_data_config
+from yolo_min import predictor, shapes, validator
+from yolo_min.datasets import ClassifyDataset, build_dataloader, collate, load_data_config
 from yolo_min.labels import DataError
 from yolo_min.losses import ClassifyLoss
 from yolo_min.metrics import class_records, merge_records, metric_names, summarize_classes
@@ -224,6 +226,149 @@ def test_shapes_cls(tmp_path, monkeypatch):
     assert [p.name for p in (tmp_path / "cache").iterdir()] == [f"shapes-cls-v{shapes.VERSION}"]
     ds = ClassifyDataset(data["train"][0], imgsz=32, verbose=False)
     assert len(ds) == 30 and ds.stats["corrupt"] == 0 and set(ds.targets) == {0, 1, 2}
+
+
+# ---------------------------------------------------------------- predict.py and val.py
+NAMES = ["ant", "bee", "cat", "dog", "eel", "fox", "gnu"]  # sorted: class folders in this order
+
+
+def make_classifier(path: Path, images: torch.Tensor, names=NAMES) -> None:
+    """A yolov5n-cls checkpoint as train.py saves its weights, untrained but telling images apart:
+    random weights, BatchNorm statistics of these uint8 (n, 3, s, s) images, logits x 10."""
+    torch.manual_seed(2)  # on test_predict_top5's images: 4 top-1 classes, >2e-3 apart
+    model = Model("yolov5n-cls.yaml", nc=len(names))
+    for m in model.modules():
+        if isinstance(m, torch.nn.BatchNorm2d):
+            m.momentum = None  # one batch: its statistics
+    with torch.no_grad():
+        model.train()(validator.preprocess(images, torch.device("cpu"), normalize=True))
+        model.head.linear.weight *= 10
+    torch.save({"model_cfg": model.yaml, "model": model.state_dict(), "names": names}, path)
+
+
+def capture_inputs(monkeypatch) -> list:
+    """The tensors the models that predict.py loads receive (their forward's input)."""
+    seen, real = [], predictor.load_model
+
+    def load(*args, **kwargs):
+        model = real(*args, **kwargs)
+        model.register_forward_pre_hook(lambda m, args: seen.append(args[0].detach().clone()))
+        return model
+
+    monkeypatch.setattr(predictor, "load_model", load)
+    return seen
+
+
+def test_predict_top5_on_a_classifier_is_vals_ranking(tmp_path):
+    """predict.py on a classifier: per image its 5 likeliest classes by descending probability,
+    the softmax of the logits val.py computes on the same images (64x64, 64x96 and 96x64 ones:
+    the centre square); --save-txt `prob name` lines and --save-json classes say the same; val's
+    evaluate scores predict's top-1 classes as right and its 5th as top-5 only."""
+    rng = np.random.default_rng(0)
+    src = tmp_path / "data" / "val" / "any"
+    src.mkdir(parents=True)
+    for k, (h, w) in enumerate([(64, 64), (64, 64), (64, 96), (96, 64)]):
+        Image.fromarray(rng.integers(0, 256, (h, w, 3), np.uint8)).save(src / f"{k}.png")
+    ds = ClassifyDataset(src.parent, imgsz=64, verbose=False)
+    batch = collate([ds[i] for i in range(len(ds))])
+    make_classifier(tmp_path / "cls.pt", batch["images"])
+    model = load_model(tmp_path / "cls.pt")
+    with torch.no_grad():
+        logits = validator.infer(model, batch["images"], {}, None)[0]
+    want = {Path(f).name: p for (f, _), p in zip(ds.samples, logits.softmax(1))}
+    for p in want.values():  # far enough apart for the orders to be told apart
+        assert (p.sort(descending=True).values[:6].diff() < -1e-3).all(), p
+    assert len({int(p.argmax()) for p in want.values()}) > 1  # not one class for all
+
+    results = predictor.predict(
+        tmp_path / "cls.pt", [str(f) for f in sorted(src.iterdir())], imgsz=64
+    )
+    for r in results:
+        p = want[Path(r["path"]).name]
+        assert r["probs"].shape == (7,) and r["probs"].sum().item() == pytest.approx(1, abs=1e-6)
+        torch.testing.assert_close(r["probs"], p, atol=1e-5, rtol=0)
+        top = predictor.top5(r)
+        assert [c for c, _ in top] == p.argsort(descending=True)[:5].tolist()
+        assert [q for _, q in top] == sorted((q for _, q in top), reverse=True)
+
+    opts = dict(imgsz=64, save_txt=True, save_json=True, device="cpu", project=str(tmp_path))
+    out = predictor.run(weights=str(tmp_path / "cls.pt"), source=str(src), **opts)
+    save_dir = Path(out["save_dir"])
+    assert out["images"] == 4 and out["detections"] == 0
+    entries = json.loads((save_dir / "predictions.json").read_text())
+    assert [e["file"] for e in entries] == [str(f) for f in sorted(src.iterdir())]
+    for e in entries:
+        name, p = Path(e["file"]).name, want[Path(e["file"]).name]
+        w, h = Image.open(e["file"]).size
+        assert (e["width"], e["height"]) == (w, h) and Image.open(save_dir / name).size == (w, h)
+        ids = p.argsort(descending=True)[:5].tolist()
+        assert [c["class_id"] for c in e["classes"]] == ids
+        assert [c["name"] for c in e["classes"]] == [NAMES[c] for c in ids]
+        conf = [c["confidence"] for c in e["classes"]]
+        assert np.allclose(conf, p[ids], atol=1e-4, rtol=0)
+        lines = (save_dir / "labels" / f"{Path(name).stem}.txt").read_text().splitlines()
+        assert [line.split()[1] for line in lines] == [NAMES[c] for c in ids]
+        assert [line.split()[0] for line in lines] == [f"{q:.2f}" for q in conf]
+        assert all(
+            abs(float(line.split()[0]) - p[c]) <= 0.005 + 1e-4 for line, c in zip(lines, ids)
+        )
+
+    # val's scoring: each image in its predicted top-1 class's folder, then in its 5th's
+    for k, metrics in (
+        (0, {"top1_acc": 1.0, "top5_acc": 1.0}),
+        (4, {"top1_acc": 0.0, "top5_acc": 1.0}),
+    ):
+        root = tmp_path / f"by_rank{k}"
+        for c in NAMES:
+            (root / c).mkdir(parents=True)
+        for e in entries:
+            shutil.copy(e["file"], root / e["classes"][k]["name"] / Path(e["file"]).name)
+        loader, _ = build_dataloader(ClassifyDataset(root, imgsz=64, verbose=False), 4, 0, False)
+        res = validator.evaluate(model, loader)
+        assert {m: res["metrics"][m] for m in metrics} == metrics, k
+
+
+def test_classifier_input_is_imagenet_normalised_rgb(tmp_path, monkeypatch):
+    """What the network receives from uint8 files through val.py (ClassifyDataset, evaluate) and
+    predict.py: per channel (v / 255 - mean) / std, ImageNet's RGB mean and std, R first."""
+    mean, std = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # ImageNet's, R, G, B
+
+    def want(rgb) -> torch.Tensor:
+        return torch.tensor([(v / 255 - m) / s for v, m, s in zip(rgb, mean, std)])
+
+    colours = {"a.png": ((200, 100, 30), (40, 24)), "b.png": ((10, 128, 250), (24, 50))}
+    src = tmp_path / "data" / "x"
+    src.mkdir(parents=True)
+    for name, (rgb, size) in colours.items():
+        Image.new("RGB", size, rgb).save(src / name)
+    x = torch.tensor([200, 100, 30], dtype=torch.uint8).view(1, 3, 1, 1).expand(2, 3, 4, 4)
+    got = validator.preprocess(x, torch.device("cpu"), normalize=True)
+    torch.testing.assert_close(got, want((200, 100, 30)).view(1, 3, 1, 1).expand_as(got))
+    torch.testing.assert_close(validator.preprocess(x, torch.device("cpu")), x / 255)
+
+    model, seen = Model("yolov5n-cls.yaml", nc=1).eval(), []
+    model.register_forward_pre_hook(lambda m, args: seen.append(args[0].detach().clone()))
+    ds = ClassifyDataset(src.parent, imgsz=32, verbose=False)
+    validator.evaluate(model, build_dataloader(ds, 2, 0, False)[0])
+    (x,) = seen
+    assert x.shape == (2, 3, 32, 32) and x.dtype == torch.float32
+    for k, (f, _) in enumerate(ds.samples):
+        rgb = colours[Path(f).name][0]
+        torch.testing.assert_close(
+            x[k], want(rgb).view(3, 1, 1).expand(3, 32, 32), atol=1e-6, rtol=0
+        )
+
+    seen = capture_inputs(monkeypatch)
+    state = {"model_cfg": model.yaml, "model": model.state_dict(), "names": ["x"]}
+    torch.save(state, tmp_path / "cls.pt")
+    opts = dict(imgsz=32, device="cpu", project=str(tmp_path), nosave=True)
+    predictor.run(weights=str(tmp_path / "cls.pt"), source=str(src), **opts)
+    assert len(seen) == 2 and all(x.shape == (1, 3, 32, 32) for x in seen)
+    for x, name in zip(seen, sorted(colours)):  # a.png, b.png: one batch each, in order
+        rgb = colours[name][0]
+        torch.testing.assert_close(
+            x[0], want(rgb).view(3, 1, 1).expand(3, 32, 32), atol=1e-6, rtol=0
+        )
 
 
 # ---------------------------------------------------------------- training end to end

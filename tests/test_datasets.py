@@ -18,7 +18,7 @@ from PIL import Image, ImageDraw
 import yolo_min
 from yolo_min import datasets as D
 from yolo_min import labels as L
-from yolo_min import shapes
+from yolo_min import ops, shapes
 from yolo_min.augment import overlap_mask
 from yolo_min.datasets import (
     DataError,
@@ -429,6 +429,47 @@ def test_rect_letterbox(tmp_path):
     assert gt["cls"].dtype == torch.int64 and len(gt["polygons"]) == len(gt["cls"])
 
 
+def test_val_letterbox_splits_odd_padding_as_yolov5(tmp_path):
+    """Rect validation samples (yolov5's batch shapes: 41x64 -> 64x96) with odd padding d:
+    round(d / 2 - 0.1) grey lines before the image, round(d / 2 + 0.1) after (41 rows on 64: 11
+    and 12); `shape`'s pad is that offset, the targets the labels' pixels moved by it; at a
+    fractional size (43.38 rows) the pad is where the image starts, as scale_masks takes it."""
+    rng = np.random.default_rng(0)
+    pixels = {"wide": rng.integers(0, 256, (41, 64, 3), np.uint8)}  # r 1: the pixels themselves
+    pixels["tall"] = pixels["wide"].transpose(1, 0, 2).copy()
+    pixels["half"] = np.full((82, 128, 3), 30, np.uint8)  # r 0.5: 41 rows, flat
+    pixels["frac"] = np.full((61, 90, 3), 30, np.uint8)  # r 64 / 90: 43.38 rows
+    boxes = {"wide": (10, 5, 30, 25), "tall": (5, 10, 25, 30), "half": (20, 10, 60, 50)}
+    boxes["frac"] = (0, 0, 90, 61)
+    (tmp_path / "images" / "t").mkdir(parents=True)
+    for name, a in pixels.items():
+        Image.fromarray(a).save(tmp_path / "images" / "t" / f"{name}.png")
+        (h, w), (x0, y0, x1, y1) = a.shape[:2], boxes[name]
+        xywh = ((x0 + x1) / 2 / w, (y0 + y1) / 2 / h, (x1 - x0) / w, (y1 - y0) / h)
+        write_label(tmp_path, "t", name, "0 " + " ".join(f"{v:.6f}" for v in xywh) + "\n")
+    ds = YOLODataset(str(tmp_path / "images" / "t"), imgsz=64, rect=True, batch_size=1, nc=1)
+    for i in range(len(ds)):
+        s, name = ds[i], Path(ds.im_files[i]).stem
+        (h0, w0), (_, pad) = s["shape"]
+        tall = name == "tall"
+        image, (pw, ph) = (s["image"].transpose(1, 2), pad[::-1]) if tall else (s["image"], pad)
+        grey = [(image == 114).all(k).all(0).nonzero().flatten().tolist() for k in (2, 1)]
+        assert image.shape == (3, 64, 96) and grey[1] == [*range(16), *range(80, 96)], name
+        if name == "frac":  # 43.38 rows from round((64 - 43.38) / 2 - 0.1) = 10
+            assert (pw, ph) == (16.0, 10.0) and grey[0] == [*range(10), *range(53, 64)]
+            rows = torch.zeros(1, 64, 96, dtype=torch.bool)
+            rows[0, 10:53, 16:80] = True
+            assert ops.scale_masks(rows, s["shape"][1], (h0, w0)).all()
+            continue
+        assert (pw, ph) == (16.0, 11.0) and grey[0] == [*range(11), *range(52, 64)], name
+        want = torch.from_numpy(pixels["wide"] if name != "half" else pixels[name][::2, ::2])
+        assert torch.equal(image[:, 11:52, 16:80], want.permute(2, 0, 1)), name
+        box = torch.tensor(boxes[name], dtype=torch.float32) * 64 / max(h0, w0)
+        box += torch.tensor(pad * 2)
+        H, W = s["image"].shape[1:]
+        torch.testing.assert_close(xyxy(s["targets"][:, 1:], W, H)[0], box, atol=1e-3, rtol=0)
+
+
 # ---------------------------------------------------------------- loaders, samplers, determinism
 def test_samplers_and_determinism(tmp_path):
     src = make_squares(tmp_path, False)
@@ -579,7 +620,7 @@ def test_read_only_labels_are_left_untouched(data_dir, tmp_path, capsys):
     """Labels in a folder marked read-only get no cache (even as root, who ignores the bits): one
     warning, and the labels are verified again next time."""
     root = tmp_path / "coco8"
-    shutil.copytree(data_dir / "coco8", root)
+    shutil.copytree(data_dir / "coco8", root, ignore=shutil.ignore_patterns("*.cache"))
     labels = root / "labels"
     for folder in (labels, labels / "train"):
         folder.chmod(0o555)

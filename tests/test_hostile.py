@@ -274,12 +274,17 @@ def test_resume_state_is_checked(tmp_path, last_pt):
     for i, (key, (value, words)) in enumerate(cases.items()):
         path = training_file(tmp_path / f"{i}.pt", last_pt, **{key: value})
         refused(path, words, load=checkpoint.load)
+    # in a run folder, as --resume takes it: the same checks as the command line's
+    run = tmp_path / "run"
+    (run / "weights").mkdir(parents=True)
+    (run / "args.yaml").write_text(yaml.safe_dump(last_pt["args"]))
     for key, value, words in [
-        ("args.epochs", "x", "not train.py's arguments"),
-        ("args.cache", "disk", "--cache must be auto, ram or off"),
-        ("hyp.lr0", "x", "--hyp: lr0 is 'x', not a finite number"),
+        ("args.epochs", "x", "its option epochs='x': expected int"),
+        ("args.cache", "disk", "its option cache='disk': expected one of auto, ram, off"),
+        ("args.bogus", 1, "not train.py's arguments"),
+        ("hyp.lr0", "x", "its hyp: lr0 is 'x', not a finite number"),
     ]:
-        path = training_file(tmp_path / "last.pt", last_pt, **{key: value})
+        path = training_file(run / "weights" / "last.pt", last_pt, **{key: value})
         with pytest.raises(trainer.ConfigError, match=words):
             trainer.main(trainer.get_args_parser().parse_args(["--resume", str(path)]))
 

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 import torchvision
 import yaml
 
-from yolo_min.losses import YOLOLoss, bbox_ciou, scale_hyp
+from yolo_min.losses import YOLOLoss, bbox_ciou, mask_loss, mask_loss_fast, scale_hyp
 from yolo_min.models import CFG_DIR, Model
 
 DEFAULT_HYP = yaml.safe_load((CFG_DIR / "hyp.scratch-low.yaml").read_text())
@@ -165,8 +165,9 @@ def test_targets_on_border():
     maps = [p.requires_grad_() for p in synthetic(False)]
     for i, p in enumerate(maps):
         ny, nx = p.shape[2:4]
-        b, a, gj, gi, tbox, *_ = crit._assign(i, t, ny, nx)
-        assert b.numel() > 0
+        positives = crit._assign(i, t, ny, nx)
+        gi, gj, tbox = positives.grid_x, positives.grid_y, positives.target_box
+        assert positives.image.numel() > 0
         assert gi.min() >= 0 and gi.max() <= nx - 1 and gj.min() >= 0 and gj.max() <= ny - 1
         assert tbox[:, :2].min() >= -0.5 and tbox[:, :2].max() <= 1.5
         assert ((gi == nx - 1) & (tbox[:, 0] == 1.0)).any()  # cx = 1.0: last cell, offset 1
@@ -275,24 +276,20 @@ def test_focal_loss_and_label_smoothing():
     t = torch.tensor([[0, 7, 0.5, 0.5, 0.3, 0.4], [1, 9, 0.3, 0.7, 0.2, 0.2]])
     want = 0.0
     for i, p in enumerate(maps):
-        b, a, gj, gi, _, _, k, _ = crit._assign(i, t, *p.shape[2:4])
-        if not b.numel():  # a level without positives adds no class loss
+        positives = crit._assign(i, t, *p.shape[2:4])
+        if not positives.image.numel():  # a level without positives adds no class loss
             continue
-        onehot = F.one_hot(t[k, 1].long(), nc).float()
+        onehot = F.one_hot(t[positives.target, 1].long(), nc).float()
         want += F.binary_cross_entropy_with_logits(
-            p[b, a, gj, gi, 5:], onehot * (1 - eps) + eps / 2
+            p[positives.cells][:, 5:], onehot * (1 - eps) + eps / 2
         )
     rel_close(crit(maps, t)[1][2], want * crit.hyp["cls"])
 
 
-def test_seg_loss_against_dense_reference():
-    """The mask term, evaluated only at box pixels, equals the dense formula: BCE over the whole
-    proto map, times the crop (pixel c kept iff x1 <= c < x2, rows alike), mean over the map /
-    normalised box area, mean per image and level, summed, * box / bs. Boxes with edges exactly on
-    pixel borders and boxes running off the image check the crop's boundaries."""
-    crit = crit_for(True)
-    bs, (mh, mw) = 2, (16, 24)
-    maps, protos = synthetic(True, bs=bs, seed=3)
+def seg_edge_case():
+    """Segment maps, protos, targets and masks (16 x 24) with box edges exactly on pixel borders,
+    boxes running off the image, and a mask that is not a box."""
+    maps, protos = synthetic(True, bs=2, seed=3)
     t = torch.tensor(
         [
             [0, 1, 0.5, 0.5, 0.25, 0.5],
@@ -302,16 +299,28 @@ def test_seg_loss_against_dense_reference():
             [1, 5, 0.61, 0.47, 0.33, 0.71],
         ]
     )
-    masks = boxes_to_masks(t, bs, (mh, mw))
-    masks[1, 3:9, 2:20] = 2  # masks need not be boxes
+    masks = boxes_to_masks(t, 2, (16, 24))
+    masks[1, 3:9, 2:20] = 2
+    return maps, protos, t, masks
+
+
+def test_seg_loss_against_dense_reference():
+    """The mask term, evaluated only at box pixels, equals the dense formula: BCE over the whole
+    proto map, times the crop (pixel c kept iff x1 <= c < x2, rows alike), mean over the map /
+    normalised box area, mean per image and level, summed, * box / bs. Boxes with edges exactly on
+    pixel borders and boxes running off the image check the crop's boundaries."""
+    crit = crit_for(True)
+    bs, (mh, mw) = 2, (16, 24)
+    maps, protos, t, masks = seg_edge_case()
     onehot = F.one_hot(t[:, 0].long(), bs)
     rank = (onehot.cumsum(0) * onehot).sum(1)
     want = 0.0
     for i, p in enumerate(maps):
-        b, a, gj, gi, _, _, k, xywhn = crit._assign(i, t, *p.shape[2:4])
+        positives = crit._assign(i, t, *p.shape[2:4])
+        b, k, xywhn = positives.image, positives.target, positives.box_normalised
         for bi in b.unique():
             j = b == bi
-            logits = torch.einsum("nc,chw->nhw", p[b, a, gj, gi][j, 85:], protos[bi])
+            logits = torch.einsum("nc,chw->nhw", p[positives.cells][j, 85:], protos[bi])
             gt = (masks[bi] == rank[k[j]].view(-1, 1, 1)).float()
             x, y, w, h = (xywhn[j] * torch.tensor([mw, mh, mw, mh])).unbind(1)
             cols, rows = torch.arange(mw).view(1, 1, -1), torch.arange(mh).view(1, -1, 1)
@@ -324,6 +333,37 @@ def test_seg_loss_against_dense_reference():
             loss = F.binary_cross_entropy_with_logits(logits, gt, reduction="none") * crop
             want += (loss.mean((1, 2)) / (xywhn[j, 2] * xywhn[j, 3])).mean()
     rel_close(crit((maps, protos), t, masks)[1][1], want * crit.hyp["box"] / bs)
+
+
+def loss_and_gradients(crit, preds, targets, masks):
+    """crit's loss items, and the gradients of its loss on the maps and on the protos."""
+    maps = [p.detach().clone().requires_grad_() for p in preds[0]]
+    protos = preds[1].detach().clone().requires_grad_()
+    loss, items = crit((maps, protos), targets, masks)
+    loss.backward()
+    return items, [p.grad for p in maps] + [protos.grad]
+
+
+def test_fast_mask_loss_equals_the_plain_one(fixtures_dir):
+    """YOLOLoss uses mask_loss_fast; it equals the plain per-image mask_loss to float rounding:
+    the loss items and the gradients on every map and on the protos, on the segment fixture and
+    on the edge cases of seg_edge_case."""
+    fx, preds, masks = load(fixtures_dir, "loss_seg_nc80")
+    model = model_for("yolov5n-seg.yaml", 80)
+    maps, protos, t, edge_masks = seg_edge_case()
+    cases = [
+        (Loss(model, fx["hyp"]), preds, fx["targets"], masks),
+        (crit_for(True), (maps, protos), t, edge_masks),
+    ]
+    for crit, preds, targets, masks in cases:
+        assert crit.mask_loss is mask_loss_fast
+        fast_items, fast_grads = loss_and_gradients(crit, preds, targets, masks)
+        crit.mask_loss = mask_loss
+        plain_items, plain_grads = loss_and_gradients(crit, preds, targets, masks)
+        assert plain_items[1] > 0
+        rel_close(fast_items, plain_items)
+        for fast, plain in zip(fast_grads, plain_grads):
+            torch.testing.assert_close(fast, plain, rtol=1e-5, atol=1e-9)
 
 
 def test_ciou_hand_values():

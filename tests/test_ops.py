@@ -133,6 +133,37 @@ def test_process_mask_crops_to_box_and_scale_masks_cuts_padding():
     assert scale_masks(masks[:0], ((1.0, 1.0), (0.0, 8.0)), (48, 64)).shape == (0, 48, 64)
 
 
+@pytest.mark.parametrize("portrait", [False, True], ids=["rows", "columns"])
+@pytest.mark.parametrize(
+    "r, pad, orig, H, first",
+    [  # letterbox: round(orig * r) rows from round((H - round(orig * r)) / 2 - 0.1)
+        (1.0, 5.5, 85, 96, 5),  # 11 rows of padding: 5 above, 6 below
+        (0.2, 5.3, 427, 96, 5),  # 85.4 -> 85 rows; the pad is yolov5's (96 - 85.4) / 2
+        (0.2, 5.5, 425, 96, 5),  # 85 rows
+        (0.2, 5.7, 423, 96, 5),  # 84.6 -> 85 rows, still from row 5 (not round(5.7 - 0.1))
+        (0.2, 4.9, 431, 96, 5),  # 86.2 -> 86 rows, 10 of padding: from row 5 (not int(4.9))
+        (1.0, 11.0, 41, 64, 11),  # the dataset's pad (val): the whole-pixel offset
+    ],
+)
+def test_scale_masks_cuts_the_padding_where_letterbox_put_it(r, pad, orig, H, first, portrait):
+    """A mask on exactly the image's rows covers the whole original; one on its first (last) row
+    only, the original's rows that nearest-exact takes from it: floor((i + 0.5) * n / orig)."""
+    n, side = round(orig * r), round(128 / r)  # the other side: all 128 input pixels
+    masks = torch.zeros(3, H, 128, dtype=torch.bool)
+    masks[0, first : first + n] = True
+    masks[1, first], masks[2, first + n - 1] = True, True
+    ratio_pad, hw = ((r, r), (0.0, pad)), (orig, side)
+    if portrait:  # the same along columns
+        masks, ratio_pad, hw = masks.transpose(1, 2), ((r, r), (pad, 0.0)), (side, orig)
+    out = scale_masks(masks, ratio_pad, hw)
+    out = out.transpose(1, 2) if portrait else out
+    assert out.shape == (3, orig, side) and out[0].all()
+    src = [int((i + 0.5) * n / orig) for i in range(orig)]  # the input row of each original row
+    for k, row in ((1, 0), (2, n - 1)):
+        want = torch.tensor([s == row for s in src])[:, None].expand(orig, side)
+        assert torch.equal(out[k], want), (k, out[k].any(1).nonzero().flatten().tolist())
+
+
 def test_polygons_to_masks_by_hand_and_mask_iou():
     m = polygons_to_masks([np.array([[2, 2], [6, 2], [6, 5], [2, 5]]), np.zeros((2, 2))], (8, 12))
     want = torch.zeros(8, 12, dtype=torch.bool)

@@ -15,6 +15,7 @@ import torch
 from PIL import Image
 
 from yolo_min import cli, ops, predictor, trainer, validator
+from yolo_min.models import Model, amp_dtype
 from yolo_min.safe_load import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -109,20 +110,82 @@ def test_letterbox_as_yolov5():
         assert canvas.shape[1:] == want, hw
 
 
+def grey_lines(canvas: torch.Tensor) -> list[int]:
+    """The rows of a letterboxed (3, H, W) that are all 114 grey."""
+    return (canvas == 114).all(2).all(0).nonzero().flatten().tolist()
+
+
+@pytest.mark.parametrize("portrait", [False, True], ids=["rows", "columns"])
+def test_letterbox_splits_odd_padding_as_yolov5(portrait):
+    """Odd padding d: round(d / 2 - 0.1) lines before the image, round(d / 2 + 0.1) after (yolov5's
+    letterbox); ratio_pad's pad is yolov5's (canvas - original * r) / 2, unrounded."""
+    turn = (lambda t: t.transpose(-1, -2)) if portrait else (lambda t: t)  # (..., h, w): landscape
+    # 427x640 at 128: r 0.2, 85.4 -> 85 rows on a 96-row canvas, d = 11: 5 grey rows, 85, 6
+    image = torch.zeros(640, 427, 3) if portrait else torch.zeros(427, 640, 3)
+    canvas, ((rh, rw), pad) = predictor.letterbox(image.byte(), 128, 32)
+    canvas = turn(canvas)
+    assert canvas.shape == (3, 96, 128) and (canvas[:, 5:90] == 0).all()
+    assert grey_lines(canvas) == [*range(5), *range(90, 96)]
+    assert rh == rw == 0.2 and pytest.approx(pad[::-1] if portrait else pad) == (0.0, 5.3)
+    # 85x128 at 128, not resized: its pixels, from row 5
+    image = torch.randint(0, 256, (3, 85, 128), generator=torch.Generator().manual_seed(0))
+    canvas, ratio_pad = predictor.letterbox(turn(image.byte()).permute(1, 2, 0), 128, 32)
+    canvas = turn(canvas)
+    assert canvas.shape == (3, 96, 128) and torch.equal(canvas[:, 5:90], image.byte())
+    assert (canvas[:, :5] == 114).all() and (canvas[:, 90:] == 114).all()
+    assert ratio_pad == ((1.0, 1.0), (5.5, 0.0) if portrait else (0.0, 5.5))
+
+
+@pytest.mark.parametrize("portrait", [False, True], ids=["rows", "columns"])
+@pytest.mark.parametrize("h0", [423, 425, 427])  # r 0.2: 84.6, 85, 85.4 -> 85 rows from row 5 of 96
+def test_scale_masks_and_boxes_invert_odd_letterbox(h0, portrait):
+    """The image's rows of the input map back onto the whole original; at 425x640 (5x5 original
+    pixels per input pixel) a mask letterboxed with the image comes back exactly, and a box drawn
+    on it lies within 0.5 input px of ratio_pad's affine, which scale_boxes undoes."""
+    turn = (lambda t: t.transpose(-1, -2)) if portrait else (lambda t: t)  # (..., h, w): landscape
+    hw = (640, h0) if portrait else (h0, 640)
+    blocks = torch.rand(86, 128, generator=torch.Generator().manual_seed(1)) < 0.5
+    mask = blocks.repeat_interleave(5, 0).repeat_interleave(5, 1)[:h0]  # (h0, 640)
+    mask[50:150], mask[:, 100:200] = False, False  # a black cross, a white box at its centre:
+    mask[50:150, 100:200] = True  # original rows 50-149, columns 100-199
+    image = turn(mask.byte() * 255)[..., None].expand(*hw, 3).contiguous()
+    canvas, ratio_pad = predictor.letterbox(image, 128, 32)
+    assert grey_lines(turn(canvas)) == [*range(5), *range(90, 96)]
+    rows = torch.zeros(96, 128, dtype=torch.bool)
+    rows[5:90] = True
+    assert ops.scale_masks(turn(rows)[None], ratio_pad, hw).all()
+    (r, _), (pw, ph) = ratio_pad
+    box = torch.tensor([[50.0, 100, 150, 200] if portrait else [100.0, 50, 200, 150]])
+    on_input = box * r + torch.tensor([pw, ph, pw, ph])
+    torch.testing.assert_close(ops.scale_boxes(on_input, ratio_pad, hw), box, rtol=0, atol=1e-4)
+    if h0 == 425:  # each input pixel samples a block's centre: exact
+        assert torch.equal(turn(canvas[0])[5:90], mask[2::5, 2::5].byte() * 255)
+        back = ops.scale_masks(canvas[:1] > 127, ratio_pad, hw)[0]
+        assert torch.equal(turn(back), mask)
+        white = turn(canvas[0]) == 255  # the box: input rows 15-34, columns 20-39
+        assert white[15:35, 20:40].all() and not white[[14, 35], 20:40].any()
+        assert not white[15:35, [19, 40]].any()
+        drawn = torch.tensor([[20.0, 15, 40, 35]])  # x1 y1 x2 y2, the pixels' edges
+        drawn = drawn[:, [1, 0, 3, 2]] if portrait else drawn
+        assert (drawn - on_input).abs().max() <= 0.5
+
+
 def test_sources(tmp_path, monkeypatch):
-    """An image, a folder (sorted, not recursive, images only), a glob, a .txt list relative to
-    the working directory; nothing found: one line."""
+    """An image, a folder (sorted, not recursive, images only), a glob, a .txt list (relative
+    lines: to the list's folder, as training's lists); nothing found: one line."""
     (tmp_path / "sub").mkdir()
     (tmp_path / "no [images]").mkdir()
     for name in ("b.jpg", "a.PNG", "c.txt", "sub/d.jpg", "no [images]/e.txt"):
         Image.new("RGB", (8, 8)).save(tmp_path / name, "PNG") if "txt" not in name else None
     (tmp_path / "c.txt").write_text("a.PNG\n\nsub/d.jpg\n")
+    (tmp_path / "sub" / "e.txt").write_text("d.jpg\n../b.jpg\n")
     (tmp_path / "no [images]" / "e.txt").write_text("")
     monkeypatch.chdir(tmp_path)
     assert predictor.find_images("b.jpg") == ["b.jpg"]
     assert predictor.find_images(".") == ["a.PNG", "b.jpg"]
     assert predictor.find_images("**/*.jpg") == ["b.jpg", "sub/d.jpg"]
     assert predictor.find_images("c.txt") == ["a.PNG", "sub/d.jpg"]
+    assert predictor.find_images("sub/e.txt") == ["sub/d.jpg", "sub/../b.jpg"]
     bad = {"nope": "nope: not found", "sub/*.png": "not found", "no [images]": "no images"}
     for source, why in bad.items():
         with pytest.raises(ValueError, match=why):
@@ -214,6 +277,37 @@ def test_detect_txt_and_json_agree(fixtures_dir, tmp_path):
         assert crop.size == (round(box[2] - box[0]), round(box[3] - box[1]))
 
 
+def test_amp_auto_runs_fp32_on_a_cpu(tmp_path, monkeypatch):
+    """On a CPU with native bfloat16, where val.py's --amp auto is bf16, predict.py's --amp auto
+    runs every convolution in float32 (bf16 moved detections across the thresholds); --amp on,
+    bf16 but Detect's (kept in float32)."""
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {"avx512_bf16": True})
+    assert amp_dtype(torch.device("cpu"), "auto") == torch.bfloat16  # val.py's auto here
+    model = Model("yolov5n.yaml", nc=2)
+    state = {"model_cfg": model.yaml, "model": model.state_dict(), "names": ["a", "b"]}
+    torch.save(state, tmp_path / "det.pt")
+    n_convs = sum(isinstance(m, torch.nn.Conv2d) for m in model.modules())  # all of them run
+    image = np.random.default_rng(0).integers(0, 256, (48, 64, 3), np.uint8)
+    Image.fromarray(image).save(tmp_path / "im.png")
+    seen, real_fuse = {}, Model.fuse
+
+    def fuse(self):  # hooks on the convolutions predict.py runs (fuse replaces most)
+        for name, m in real_fuse(self).named_modules():
+            if isinstance(m, torch.nn.Conv2d):
+                m.register_forward_hook(lambda m, args, y, name=name: seen.update({name: y.dtype}))
+        return self
+
+    monkeypatch.setattr(Model, "fuse", fuse)
+    opts = dict(source=str(tmp_path / "im.png"), imgsz=64, device="cpu", nosave=True)
+    for amp in ("auto", "on"):
+        seen.clear()
+        predictor.run(weights=str(tmp_path / "det.pt"), amp=amp, project=str(tmp_path), **opts)
+        head = {k: v for k, v in seen.items() if k.startswith("model.24.")}  # Detect's
+        assert len(seen) == n_convs and len(head) == 3 and set(head.values()) == {torch.float32}
+        body = {v for k, v in seen.items() if k not in head}
+        assert body == {torch.bfloat16 if amp == "on" else torch.float32}, amp
+
+
 def run_cli(*args):
     cmd = [sys.executable, str(ROOT / "predict.py"), *args]
     return subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
@@ -253,7 +347,7 @@ def test_unreadable_images_are_named_skipped_and_counted(fixtures_dir, tmp_path,
     out = run_predict(tmp_path, "exp", weights=weights, source=source, imgsz=160, save_txt=True)
     text = capsys.readouterr().out
     assert "broken.jpg: unreadable" in text and "gone.png: unreadable" in text
-    assert "1 images, 2 unreadable ones skipped" in text and "Speed: " in text
+    assert "1 images, 2 skipped (named above)" in text and "Speed: " in text
     assert sorted(p.name for p in out.iterdir()) == ["good.png", "labels"]
 
 

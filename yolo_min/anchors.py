@@ -1,90 +1,116 @@
 """AutoAnchor, in pixels: the best possible recall (BPR) is the share of label boxes whose w and h
-ratios to some anchor lie in [1/thr, thr]. Below 0.98, k-means and evolution propose new anchors."""
+ratios to some anchor lie in [1/threshold, threshold]. Below 0.98, k-means and evolution propose
+new anchors."""
 
 from __future__ import annotations
 
 import numpy as np
 
-MAX_BOXES = 10_000  # label boxes AutoAnchor measures and fits (yolov5: all of them)
+# The most label boxes AutoAnchor measures and fits, which bounds its time (yolov5 takes them all).
+MAX_BOXES = 10_000
 
 
 def label_wh(labels: list[dict], imgsz: int, rng: np.random.Generator) -> np.ndarray:
     """(n, 2) the dataset's label box sizes in pixels at training size, each image scaled by
     U(0.9, 1.1) like training's jitter; a random sample of at most MAX_BOXES (bounds the time)."""
-    wh = []
-    for lab in labels:
-        if len(lab["bboxes"]):
-            scale = imgsz / max(lab["shape"]) * rng.uniform(0.9, 1.1)
-            wh.append(lab["bboxes"][:, 2:4] * np.array(lab["shape"][::-1]) * scale)
-    wh = np.concatenate([np.zeros((0, 2)), *wh]).astype(np.float32)
-    return wh[rng.choice(len(wh), MAX_BOXES, replace=False)] if len(wh) > MAX_BOXES else wh
+    sizes = [np.zeros((0, 2))]
+    for label in labels:
+        if not len(label["bboxes"]):
+            continue
+        scale = imgsz / max(label["shape"]) * rng.uniform(0.9, 1.1)
+        image_wh = np.array(label["shape"][::-1])
+        sizes.append(label["bboxes"][:, 2:4] * image_wh * scale)
+    wh = np.concatenate(sizes).astype(np.float32)
+    if len(wh) > MAX_BOXES:
+        wh = wh[rng.choice(len(wh), MAX_BOXES, replace=False)]
+    return wh
 
 
 def ratio_metric(anchors: np.ndarray, wh: np.ndarray) -> np.ndarray:
     """(m, n): per label (m, 2) and anchor (n, 2), the worse of the w and h ratios, in (0, 1]."""
-    r = wh[:, None] / anchors[None]
-    return np.minimum(r, 1 / r).min(2)
+    ratio = wh[:, None] / anchors[None]
+    return np.minimum(ratio, 1 / ratio).min(2)
 
 
-def bpr_and_aat(anchors: np.ndarray, wh: np.ndarray, thr: float) -> tuple[float, float]:
+def bpr_and_aat(anchors: np.ndarray, wh: np.ndarray, threshold: float) -> tuple[float, float]:
     """(best possible recall, mean number of anchors above threshold per label)."""
-    x = ratio_metric(anchors, wh)
-    return float((x.max(1) > 1 / thr).mean()), float((x > 1 / thr).sum(1).mean())
+    above = ratio_metric(anchors, wh) > 1 / threshold
+    bpr = above.any(1).mean()
+    anchors_above = above.sum(1).mean()
+    return float(bpr), float(anchors_above)
 
 
-def fitness(anchors: np.ndarray, wh: np.ndarray, thr: float) -> float:
-    """Evolution objective: mean over labels of the best anchor's ratio metric, 0 where <= 1/thr."""
+def fitness(anchors: np.ndarray, wh: np.ndarray, threshold: float) -> float:
+    """Evolution objective: mean over labels of the best anchor's ratio metric, counted as 0 where
+    it is at most 1/threshold."""
     best = ratio_metric(anchors, wh).max(1)
-    return float((best * (best > 1 / thr)).mean())
+    return float((best * (best > 1 / threshold)).mean())
 
 
-def kmeans(x: np.ndarray, k: int, rng: np.random.Generator, iters: int = 30) -> np.ndarray:
-    """k centres of the rows of x (m, d): k of its rows at random, then `iters` Lloyd steps."""
-    centres = x[rng.choice(len(x), k, replace=False)]  # scipy's kmeans (yolov5's) seeds so too
+def kmeans(points: np.ndarray, k: int, rng: np.random.Generator, iters: int = 30) -> np.ndarray:
+    """k centres of the rows of points (m, d): k of its rows at random, then `iters` Lloyd steps."""
+    # scipy's kmeans, which yolov5 calls, starts from k random rows too.
+    centres = points[rng.choice(len(points), k, replace=False)]
     for _ in range(iters):
-        nearest = ((x[:, None] - centres[None]) ** 2).sum(2).argmin(1)
-        for j in np.unique(nearest):  # a centre no row is nearest to stays
-            centres[j] = x[nearest == j].mean(0)
+        differences = points[:, None] - centres[None]
+        distances = (differences**2).sum(2)
+        nearest = distances.argmin(1)
+        # A centre that no point is nearest to stays where it is.
+        for centre in np.unique(nearest):
+            centres[centre] = points[nearest == centre].mean(0)
     return centres
 
 
-def fit_anchors(wh: np.ndarray, n: int = 9, thr: float = 4.0, gens=1000, seed=0) -> np.ndarray:
-    """n anchors (n, 2) for the label sizes wh (m, 2) in pixels, sorted by area."""
+def fit_anchors(wh: np.ndarray, num_anchors=9, threshold=4.0, gens=1000, seed=0) -> np.ndarray:
+    """Anchors (num_anchors, 2) for the label sizes wh (m, 2), in pixels, sorted by area."""
     # k-means on the sizes scaled by their standard deviation, then `gens` generations of random
-    # multiplicative mutations, kept when the fitness improves
+    # multiplicative mutations, each kept when it improves the fitness.
     rng = np.random.default_rng(seed)
-    wh = wh[(wh >= 2.0).any(1)].astype(np.float64)  # boxes under 2 pixels teach nothing
-    if len(wh) < n:
-        raise ValueError(f"AutoAnchor: {len(wh)} label boxes are too few to fit {n} anchors")
-    s = wh.std(0) + 1e-9
-    k = kmeans(wh / s, n, rng) * s
-    f = fitness(k, wh, thr)
-    for _ in range(gens):  # mutate ~90% of the values by up to ~10% (times a random strength)
-        change = (rng.random(k.shape) < 0.9) * rng.random() * rng.standard_normal(k.shape)
-        kg = (k * (change * 0.1 + 1).clip(0.3, 3.0)).clip(min=2.0)
-        fg = fitness(kg, wh, thr)
-        if fg > f:
-            f, k = fg, kg
-    return k[np.argsort(k.prod(1))].astype(np.float32)
+    # Boxes under 2 pixels teach nothing.
+    big_enough = (wh >= 2.0).any(1)
+    wh = wh[big_enough].astype(np.float64)
+    if len(wh) < num_anchors:
+        raise ValueError(
+            f"AutoAnchor: {len(wh)} label boxes are too few to fit {num_anchors} anchors"
+        )
+    scale = wh.std(0) + 1e-9
+    anchors = kmeans(wh / scale, num_anchors, rng) * scale
+    best = fitness(anchors, wh, threshold)
+    for _ in range(gens):
+        # Mutate ~90% of the values by up to ~10%, times a random strength.
+        mutated = rng.random(anchors.shape) < 0.9
+        change = mutated * rng.random() * rng.standard_normal(anchors.shape)
+        factor = (change * 0.1 + 1).clip(0.3, 3.0)
+        candidate = (anchors * factor).clip(min=2.0)
+        candidate_fitness = fitness(candidate, wh, threshold)
+        if candidate_fitness > best:
+            best = candidate_fitness
+            anchors = candidate
+    by_area = np.argsort(anchors.prod(1))
+    return anchors[by_area].astype(np.float32)
 
 
-def check_anchors(labels, anchors: np.ndarray, thr=4.0, imgsz=640, seed=0) -> np.ndarray | None:
+def check_anchors(
+    labels, anchors: np.ndarray, threshold=4.0, imgsz=640, seed=0
+) -> np.ndarray | None:
     """Print the BPR of `anchors` (n, 2) on the labels; below 0.98 return better ones, else None."""
     wh = label_wh(labels, imgsz, np.random.default_rng(seed))
     if not len(wh):
         return None
-    bpr, aat = bpr_and_aat(anchors, wh, thr)
-    msg = f"AutoAnchor: {aat:.2f} anchors/target, {bpr:.3f} best possible recall (BPR)"
+    bpr, anchors_above = bpr_and_aat(anchors, wh, threshold)
+    summary = (
+        f"AutoAnchor: {anchors_above:.2f} anchors/target, {bpr:.3f} best possible recall (BPR)"
+    )
     if bpr >= 0.98:
-        print(f"{msg}: current anchors fit the dataset", flush=True)
+        print(f"{summary}: current anchors fit the dataset", flush=True)
         return None
-    print(f"{msg}: re-fitting anchors with k-means and evolution ...", flush=True)
+    print(f"{summary}: re-fitting anchors with k-means and evolution ...", flush=True)
     try:
-        new = fit_anchors(wh, len(anchors), thr, seed=seed)
-    except ValueError as e:
-        print(f"{e}; keeping the original anchors", flush=True)
+        new = fit_anchors(wh, num_anchors=len(anchors), threshold=threshold, seed=seed)
+    except ValueError as error:
+        print(f"{error}; keeping the original anchors", flush=True)
         return None
-    new_bpr = bpr_and_aat(new, wh, thr)[0]
+    new_bpr, _ = bpr_and_aat(new, wh, threshold)
     if new_bpr <= bpr:
         print("AutoAnchor: the re-fitted anchors are no better; keeping the originals", flush=True)
         return None

@@ -3,19 +3,26 @@ and the checks a checkpoint passes before --resume uses it."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import shutil
 import signal
+import socket
+import stat
+import threading
 from pathlib import Path
 
 import numpy as np
 import torch
 import yaml
 
+from .files import FileError, read_text, read_yaml
 from .safe_load import CheckpointError, fitting_model, one_line_errors, read_checked
 
 RUN_ID_FILE = ".torchrun_id"  # in a run folder: the torchrun run that made it
+LOCK_FILE = "train.lock"  # in a run folder while a training writes it: pid, host, torchrun run id
+HELD_LOCKS: dict[Path, None] = {}  # the lock files this process took, in the order taken
 
 
 class SaveError(RuntimeError):
@@ -33,7 +40,15 @@ def next_run_dir(project: str | Path, name: str, exist_ok: bool = False) -> Path
 def find_run_dir(project: str | Path, run_id: str | None) -> Path | None:
     """The run folder that the torchrun run `run_id` made under project before a restart."""
     marks = Path(project).glob(f"*/{RUN_ID_FILE}") if run_id else ()
-    return next((m.parent for m in marks if m.read_text() == run_id), None)
+    return next((m.parent for m in marks if _read_small(m) == run_id), None)
+
+
+def _read_small(path: Path) -> str | None:
+    """A small marker file's text (a run id, a lock); None if it is not such a file."""
+    try:
+        return read_text(path, 4096)
+    except FileError:
+        return None
 
 
 def make_run_dir(args, hyp: dict, run_id: str | None, need_bytes: int) -> Path:
@@ -47,6 +62,11 @@ def make_run_dir(args, hyp: dict, run_id: str | None, need_bytes: int) -> Path:
         raise ValueError(f"{path}: only {free / 1e6:.1f} MB free on disk, {need}")
     try:
         (path / "weights").mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"cannot write the run folder {path}: {e}") from None
+    # before anything in it is written: a folder another training writes is not touched
+    lock_run(path, run_id)
+    try:
         (path / "args.yaml").write_text(yaml.safe_dump(vars(args), sort_keys=False))
         (path / "hyp.yaml").write_text(yaml.safe_dump(hyp, sort_keys=False))
         (path / RUN_ID_FILE).write_text(run_id or "")
@@ -55,21 +75,147 @@ def make_run_dir(args, hyp: dict, run_id: str | None, need_bytes: int) -> Path:
     return path
 
 
+def restore_results(ckpt: dict, run: Path) -> None:
+    """results.csv as the checkpoint saved it (the rows of the epochs it holds), if it holds one:
+    a crash between the checkpoint and its row loses no row."""
+    text = ckpt.get("results_csv")
+    if isinstance(text, str):
+        (run / "results.csv").write_text(text)
+
+
 def find_resume(args, run_id: str | None) -> tuple[str, dict] | None:
-    """(path, checkpoint) to continue from: --resume (a last.pt, or the newest under --project),
-    or after a torchrun restart this run's own last.pt. None: a new run."""
+    """(path, checkpoint) to continue from: --resume (a run's last.pt, or the newest run's under
+    --project), or after a torchrun restart this run's own last.pt. None: a new run. The run
+    folder is locked (`lock_run`) for this process."""
     own = find_run_dir(args.project, run_id)
+    keys = set(vars(args))  # train.py's options: the keys of a run's args.yaml
     if args.resume is True:
-        path = max(Path(args.project).glob("*/weights/last.pt"), key=os.path.getmtime, default=None)
-        if path is None:
-            raise ValueError(f"--resume: no run with a weights/last.pt under {args.project}")
+        path = newest_run(args.project, keys) / "weights" / "last.pt"
     elif args.resume:
         path = Path(args.resume)
     elif own and (path := own / "weights" / "last.pt").is_file():
         print(f"torchrun restart: resuming from {path}", flush=True)
     else:
         return None
-    return str(path), load(path)
+    if os.path.exists(path) and not stat.S_ISREG(os.stat(path).st_mode):
+        raise ValueError(f"--resume {path}: not a regular file")
+    ckpt = load(path)
+    lock_run(run_folder(path, keys), run_id)
+    return str(path), ckpt
+
+
+def is_run_dir(path: Path, keys: set[str]) -> bool:
+    """Whether path is a run folder as train.py makes them: weights/ beside an args.yaml of
+    train.py's options (keys)."""
+    try:
+        stored = read_yaml(path / "args.yaml")
+    except FileError:
+        return False
+    return isinstance(stored, dict) and set(stored) == keys and (path / "weights").is_dir()
+
+
+def run_folder(last: Path, keys: set[str]) -> Path:
+    """The run folder of a <run>/weights/last.pt; ValueError unless last is one: --resume writes
+    into the folder (args.yaml, results.csv, the checkpoints) and no other."""
+    run = last.parent.parent
+    if last.name != "last.pt" or last.parent.name != "weights" or not is_run_dir(run, keys):
+        where = "not a run's weights/last.pt (train.py writes <run>/weights/last.pt beside"
+        hint = "its <run>/args.yaml); to start from its weights use --weights"
+        raise ValueError(f"--resume {last}: {where} {hint}")
+    return run
+
+
+def newest_run(project: str | Path, keys: set[str]) -> Path:
+    """The run under project that was started, resumed or saved last (the newest of its args.yaml
+    and weights/last.pt); ValueError if there is none, or if it has no last.pt: an older run is
+    never continued in its place."""
+    runs = [d for d in Path(project).glob("*") if is_run_dir(d, keys)]
+    if not runs:
+        raise ValueError(f"--resume: no run with a weights/last.pt under {project}")
+    newest = max(runs, key=_last_active)
+    if not (newest / "weights" / "last.pt").is_file():
+        why = f"the newest run under {project}, {newest}, has no weights/last.pt"
+        hint = "(stopped before its first epoch ended): start it again, or --resume a run's last.pt"
+        raise ValueError(f"--resume: {why} {hint}")
+    return newest
+
+
+def _last_active(run: Path) -> float:
+    """When a run folder was last started, resumed (args.yaml) or saved (weights/last.pt)."""
+    files = [run / "args.yaml", run / "weights" / "last.pt"]
+    return max(f.stat().st_mtime for f in files if f.is_file())
+
+
+# ---------------------------------------------------------------- run folder locks
+def lock_run(run: Path, run_id: str | None) -> None:
+    """Take run's lock file for this process (O_EXCL: one training writes a run folder at a time);
+    ValueError naming the holder while it lives. A holder that is gone (its pid no longer alive on
+    this host, or this torchrun run before a restart) is replaced; the lock is this process's
+    until `release_locks`."""
+    lock = Path(os.path.abspath(run)) / LOCK_FILE  # one spelling per folder
+    if lock in HELD_LOCKS:
+        return
+    mine = f"{os.getpid()}\n{socket.gethostname()}\n{run_id or ''}\n"
+    for _ in range(2):  # a lock found stale is removed, then taken once more
+        try:
+            fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            _remove_if_stale(lock, run_id)
+            continue
+        except OSError as e:
+            raise ValueError(f"cannot write the run folder {run}: {e}") from None
+        with os.fdopen(fd, "w") as f:
+            f.write(mine)
+        HELD_LOCKS[lock] = None
+        return
+    raise ValueError(f"{run} is being locked by another training at the same time ({lock})")
+
+
+def _remove_if_stale(lock: Path, run_id: str | None) -> None:
+    """Remove a lock file whose holder is gone; ValueError naming a live one."""
+    text = _read_small(lock)
+    if text is None:  # removed meanwhile: take it
+        return
+    pid, host, holder_run = (text.splitlines() + ["", "", ""])[:3]
+    # torchrun stops every worker of a run before it restarts them
+    restarted = bool(run_id) and holder_run == run_id
+    here = host == socket.gethostname() and pid.isdigit() and len(pid) < 10
+    # a pid of this process: an earlier process had it (a container's pids repeat)
+    gone = here and (int(pid) == os.getpid() or _gone(int(pid)))
+    if not (restarted or gone):
+        holder = f"pid {pid or '?'} on {host or '?'}"
+        hint = f"wait for it to end, or delete {lock} if no training uses the folder"
+        raise ValueError(f"{lock.parent} is in use by another training ({holder}): {hint}")
+    print(f"warning: {lock} was left by a training that is gone ({pid} on {host}): taken over")
+    # the same file as read: another process may have replaced it in the meantime
+    if _read_small(lock) == text:
+        lock.unlink(missing_ok=True)
+
+
+def _gone(pid: int) -> bool:
+    """Whether no process of this host has the id pid."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # another user's process
+        return False
+    return False
+
+
+def release_locks() -> None:
+    """Remove the lock files this process took (a run's end, error or stop)."""
+    mine = f"{os.getpid()}\n{socket.gethostname()}\n"
+    for lock in list(HELD_LOCKS):
+        HELD_LOCKS.pop(lock, None)
+        text = _read_small(lock)
+        if text is not None and text.startswith(mine):
+            lock.unlink(missing_ok=True)
+
+
+def held_runs() -> list[Path]:
+    """The run folders this process holds the locks of, the last taken last."""
+    return [lock.parent for lock in HELD_LOCKS]
 
 
 # ---------------------------------------------------------------- what a run saves
@@ -131,18 +277,31 @@ def save(state: dict, path: str | Path) -> None:
     tmp = Path(f"{path}.tmp")  # written, fsynced, then renamed over path
     # SIGINT and SIGTERM take effect once the write is done: a KeyboardInterrupt inside torch.save
     # would break its zip writer
+    with signals_held():
+        try:
+            with open(tmp, "wb") as f:
+                torch.save(state, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except OSError as e:
+            raise SaveError(f"cannot write {path} ({e}); the previous one is intact") from None
+        finally:
+            tmp.unlink(missing_ok=True)  # what a failed write left
+
+
+@contextlib.contextmanager
+def signals_held():
+    """SIGINT and SIGTERM that arrive in the block take effect at its end (in the main thread;
+    elsewhere Python delivers no signal to handle)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
     held, signals = [], (signal.SIGINT, signal.SIGTERM)
     old = {s: signal.signal(s, lambda signum, _: held.append(signum)) for s in signals}
     try:
-        with open(tmp, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as e:
-        raise SaveError(f"cannot write {path} ({e}); the previous one is intact") from None
+        yield
     finally:
-        tmp.unlink(missing_ok=True)  # what a failed write left
         for s, handler in old.items():
             signal.signal(s, signal.SIG_DFL if handler is None else handler)
         for s in held:
@@ -161,6 +320,7 @@ def load(path: str | Path) -> dict:
         ok = type(ckpt) is dict and all(isinstance(ckpt.get(k), t) for k, t in RESUME_TYPES.items())
         ok = ok and min(ckpt["epoch"], ckpt["best_epoch"], ckpt["ema_updates"]) >= 0
         ok = ok and all(type(v) in (int, float) for v in ckpt["scaler"].values())
+        ok = ok and isinstance(ckpt.get("results_csv", ""), str)  # absent before this version
         if not ok or not 0 < len(ckpt["rng"]["ranks"]) == ckpt["rng"]["world_size"]:
             raise CheckpointError("its values are not of the types and ranges train.py saves")
         fitting_model(ckpt["model_cfg"], ckpt["model"])

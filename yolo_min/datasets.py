@@ -5,20 +5,30 @@ from __future__ import annotations
 import math
 import os
 import random
+import signal
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-import yaml
 from PIL import Image, ImageOps
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
-from torchvision.datasets.folder import ImageFolder
+from torchvision.datasets.folder import IMG_EXTENSIONS, ImageFolder
 from torchvision.transforms import v2
 
 from . import shapes
 from .augment import Piece, affine_matrix, hsv_jitter, overlap_mask, place_labels, render
-from .labels import CORRUPT, MAX_WARNINGS, DataError, list_images, load_labels, thread_map, verify
+from .files import FileError, read_yaml
+from .labels import (
+    CORRUPT,
+    MAX_WARNINGS,
+    DataError,
+    Walk,
+    list_images,
+    load_labels,
+    thread_map,
+    verify,
+)
 from .ops import box_corners, xywh2xyxy, xyxy2xywh
 
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # RGB, pixels in [0, 1]
@@ -32,12 +42,13 @@ def load_data_config(path: str) -> dict:
         p = shapes.ensure(kind) / "shapes.yaml" if kind == "shapes" else shapes.ensure(kind)
     if p.is_dir():
         return load_folder_data(p)
-    if not p.is_file():
-        raise DataError(f"data yaml {path} not found")
+    if not p.exists():
+        embedded = "the embedded datasets are shapes (detect, segment) and shapes-cls (classify)"
+        raise DataError(f"data yaml {path} not found; {embedded}")
     try:
-        cfg = yaml.safe_load(p.read_text())
-    except (yaml.YAMLError, UnicodeDecodeError) as e:
-        raise DataError(f"{p}: not valid YAML ({str(e).splitlines()[0]})") from None
+        cfg = read_yaml(p, "data yaml")
+    except FileError as e:
+        raise DataError(str(e)) from None
     missing = [k for k in ("train", "val", "names") if not isinstance(cfg, dict) or not cfg.get(k)]
     if missing:
         raise DataError(f"{p}: missing key(s) {', '.join(missing)}")
@@ -159,7 +170,7 @@ class YOLODataset(Dataset):
             if scale < 1:
                 im.draft("RGB", (math.ceil(im.width * scale), math.ceil(im.height * scale)))
             im = ImageOps.exif_transpose(im) if im.getexif().get(0x0112, 1) != 1 else im
-            im = im if im.mode == "RGB" else im.convert("RGB")
+            im = to_rgb8(im)
             im = im.resize(wh, Image.Resampling.BILINEAR) if wh else im
         except Exception as e:
             raise DataError(f"{f}: unreadable now ({e}); it changed after verification") from e
@@ -228,9 +239,45 @@ class YOLODataset(Dataset):
         return dict(cls=cls, boxes=boxes, polygons=polygons)
 
 
+def to_rgb8(image: Image.Image) -> Image.Image:
+    """An image of any PIL mode as 8-bit RGB, its values scaled rather than clipped: 16-bit
+    (I;16*) by >> 8; 32-bit integers (I) as 16-bit when all lie in 0..65535, else by >> 23 (the
+    range 0..2^31-1), negative values as 0; floats (F) by 255 when all finite values lie in 0..1,
+    else clipped to 0..255 (NaN as 0). Other modes (1, L, LA, P, PA, RGBA, CMYK, YCbCr, ...):
+    PIL's convert("RGB")."""
+    if image.mode == "RGB":
+        return image
+    if image.mode == "F":
+        grey = float_to_uint8(np.asarray(image))
+    elif image.mode == "I" or image.mode.startswith("I;"):
+        grey = int_to_uint8(np.asarray(image))
+    else:
+        return image.convert("RGB")
+    return Image.fromarray(grey, "L").convert("RGB")
+
+
+def float_to_uint8(values: np.ndarray) -> np.ndarray:
+    """Float pixels -> uint8: x 255 if the finite ones all lie in [0, 1], else clipped to 0..255."""
+    finite = values[np.isfinite(values)]
+    scale = 1.0
+    if finite.size == 0 or (finite.min() >= 0 and finite.max() <= 1):
+        scale = 255.0
+    scaled = np.nan_to_num(values.astype(np.float64) * scale, nan=0.0, posinf=255.0, neginf=0.0)
+    return np.clip(scaled, 0, 255).round().astype(np.uint8)
+
+
+def int_to_uint8(values: np.ndarray) -> np.ndarray:
+    """Integer pixels -> uint8: 16-bit (all in 0..65535) >> 8, else 31-bit >> 23; negative: 0."""
+    wide = np.clip(values.astype(np.int64), 0, None)
+    shift = 8
+    if wide.size and wide.max() > 65535:
+        shift = 23
+    return np.clip(wide >> shift, 0, 255).astype(np.uint8)
+
+
 def load_rgb(path: str) -> Image.Image:
-    """An image file as RGB, turned as its EXIF orientation says."""
-    return ImageOps.exif_transpose(Image.open(path)).convert("RGB")
+    """An image file as 8-bit RGB (to_rgb8), turned as its EXIF orientation says."""
+    return to_rgb8(ImageOps.exif_transpose(Image.open(path)))
 
 
 def center_square(im: Image.Image) -> Image.Image:
@@ -254,11 +301,25 @@ class ClassifyDataset(ImageFolder):
         self.imgs, self.targets = self.samples, [k for _, k in self.samples]
         self.stats = dict(images=len(checks), corrupt=len(checks) - len(self.samples))
         if verbose:
+            self.walk.warn(prefix)
             for m in [m for c in checks for m in c[3]][:MAX_WARNINGS]:
                 print(f"WARNING {prefix}{m}", flush=True)
             print(f"{prefix}{len(checks)} images, {self.stats['corrupt']} corrupt", flush=True)
         if not self.samples:
             raise DataError(f"{prefix}no usable images in {root}: all are corrupt")
+
+    def make_dataset(self, directory, class_to_idx, extensions=None, is_valid_file=None, **kw):
+        """(path, class) of the images under directory/<class>/: ImageFolder's, but each real file
+        once and regular files only (see labels.Walk; ImageFolder follows links round a loop)."""
+        walk, samples = Walk(), []
+        classes = sorted(class_to_idx.items(), key=lambda item: item[1])
+        walk.claim([directory, *(os.path.join(directory, name) for name, _ in classes)])
+        for name, k in classes:
+            for f in walk.files(os.path.join(directory, name)):
+                if f.lower().endswith(extensions or IMG_EXTENSIONS):
+                    samples.append((f, k))
+        self.walk = walk  # its counts are warned about once the split is verified
+        return samples
 
     def __getitem__(self, key: int | tuple) -> dict:
         """key: an index, or (seed, epoch, index): seeds torch's random numbers, in a fork."""
@@ -297,24 +358,52 @@ class EpochSampler(DistributedSampler):
 
 
 def yield_cpu(worker_id: int) -> None:
-    """Data workers at the lowest priority (worker_init_fn)."""
+    """Data workers at the lowest priority, quiet when the run is stopped (worker_init_fn)."""
+    # Ctrl-C and `kill -TERM -pgid` (timeout, systemd, SLURM) reach the whole process group: the
+    # main process says it once and ends the workers; a worker neither prints a traceback nor dies
+    # by the signal (which the main process would report as a crashed worker)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _exit_quietly)
     # where the cores are few, a worker preempting one of the step's OpenMP threads stalls them
     # all; at nice 19 workers fill the step's idle moments
     if hasattr(os, "nice"):  # not on Windows
         os.nice(19)
 
 
+def _exit_quietly(signum, frame) -> None:
+    """A data worker's SIGTERM handler: end at once with exit code 0."""
+    os._exit(0)
+
+
 def build_dataloader(
-    dataset, batch_size, workers=8, shuffle=True, rank=0, world_size=1, seed=0, local_world_size=1
+    dataset,
+    batch_size,
+    workers=8,
+    shuffle=True,
+    rank=0,
+    world_size=1,
+    seed=0,
+    local_world_size=1,
+    drop_single=False,
 ) -> tuple:
-    """-> (DataLoader, sampler): shuffle: a seeded EpochSampler (call set_epoch), else batches."""
+    """-> (DataLoader, sampler): shuffle: a seeded EpochSampler (call set_epoch), else batches.
+    drop_single: a shuffled epoch's last batch is dropped if it would hold a single image."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     workers = min(workers, max(cpus // local_world_size, 1))
     kw = dict(collate_fn=collate, num_workers=workers, persistent_workers=workers > 0)
     kw |= dict(worker_init_fn=yield_cpu, pin_memory=torch.cuda.is_available())
     if shuffle:
         sampler = EpochSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed)
-        return DataLoader(dataset, batch_size=batch_size, sampler=sampler, **kw), sampler
+        # only a last batch of one image, and never the only batch: the rest of the recipe stays
+        single = len(sampler) % batch_size == 1 and len(sampler) > batch_size
+        loader = DataLoader(
+            dataset,
+            batch_size=batch_size,
+            sampler=sampler,
+            drop_last=drop_single and single,
+            **kw,
+        )
+        return loader, sampler
     if dataset.rect and batch_size != dataset.batch_size:
         raise ValueError(f"rect dataset built for batch {dataset.batch_size}, not {batch_size}")
     sampler = shard_batches(len(dataset), batch_size, rank, world_size)

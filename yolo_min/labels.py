@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import stat
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -13,11 +14,14 @@ import numpy as np
 import torch
 from PIL import Image
 
+from .files import FileError, read_text
 from .ops import box_corners, xywh2xyxy, xyxy2xywh
 
 IMG_FORMATS = ("bmp", "jpeg", "jpg", "png", "tif", "tiff", "webp")
 CACHE_VERSION = "yolo_min-labels-3"
 MAX_WARNINGS = 100  # printed per dataset; all are counted
+MAX_LABEL_BYTES = 10_000_000  # a label file (a COCO image's: under 10 KB; 1000 polygons: ~5 MB)
+MAX_LIST_BYTES = 200_000_000  # a .txt image list (COCO train2017's: 5 MB)
 SLACK, TOL = 1e-3, 0.05  # coordinates this far outside [0,1]: clipped silently / with a warning
 FOUND, MISSING, EMPTY, CORRUPT = range(4)
 OPEN_ERRORS = {
@@ -49,18 +53,19 @@ def img2label_path(f: str) -> str:
 
 def list_images(sources, prefix: str = "", verbose: bool = True) -> list[str]:
     """Image files in sources: folders (recursive), .txt lists (relative to their folder), files."""
-    files, skipped = [], []
+    files, skipped, walk = [], [], Walk()
     sources = [sources] if isinstance(sources, (str, Path)) else sources
     for src in map(Path, sources):
         if not src.exists():
             raise DataError(f"{prefix}{src} not found")
         if src.is_dir():
-            found = sorted(f for f in src.rglob("*") if f.is_file())
+            found = [Path(f) for f in walk.files(src)]
         elif src.suffix == ".txt":
             try:
-                found = [src.parent / s.strip() for s in src.read_text().splitlines() if s.strip()]
-            except (OSError, UnicodeDecodeError) as e:
-                raise DataError(f"{prefix}cannot read image list {src} ({e})") from None
+                text = read_text(src, MAX_LIST_BYTES, "image list")
+            except FileError as e:
+                raise DataError(f"{prefix}{e}") from None
+            found = [src.parent / s.strip() for s in text.splitlines() if s.strip()]
         else:
             found = [src]
         for f in found:
@@ -70,7 +75,89 @@ def list_images(sources, prefix: str = "", verbose: bool = True) -> list[str]:
     if skipped and verbose:
         why = f"file(s) without an image extension ({', '.join(IMG_FORMATS)}) skipped"
         print(f"WARNING {prefix}{len(skipped)} {why}, e.g. {skipped[0]}", flush=True)
+    if verbose:
+        walk.warn(prefix)
     return list(dict.fromkeys(files))
+
+
+class Walk:
+    """Folder walks that read each real file once: links are followed, but a folder or file already
+    met (by device and inode) is skipped, so a link to a folder above is no loop; only regular files
+    are listed (a FIFO would block a reader, a device never ends)."""
+
+    def __init__(self):
+        self.seen: set[tuple[int, int]] = set()
+        self.claimed: set[tuple[int, int]] = set()  # folders walked only as a root of their own
+        self.repeats = 0  # links to a folder or file met before
+        self.others: list[str] = []  # FIFOs, devices, sockets, broken links
+
+    def claim(self, folders) -> None:
+        """Count folders as met (a link to one is not followed), but walk each given as a root:
+        ImageFolder's split and class folders, so that no link moves a file to another class."""
+        for folder in folders:
+            st = os.stat(folder)
+            self.seen.add((st.st_dev, st.st_ino))
+            self.claimed.add((st.st_dev, st.st_ino))
+
+    def files(self, root: str | Path) -> list[str]:
+        """The regular files under root not met before, sorted as paths."""
+        st = os.stat(root)
+        if (key := (st.st_dev, st.st_ino)) in self.claimed:
+            self.claimed.discard(key)
+            self.seen.discard(key)
+        found, todo = [], [str(root)]
+        while todo:
+            folder = todo.pop()
+            if not self._first(os.stat(folder)):
+                continue
+            try:
+                with os.scandir(folder) as it:
+                    # by name: which of two paths to a file is kept does not depend on the disk
+                    entries = sorted(it, key=lambda e: e.name)
+            except OSError:  # an unreadable folder
+                self.others.append(folder)
+                continue
+            folders = []
+            for entry in entries:
+                kind = self._kind(entry)
+                if kind == "folder":
+                    folders.append(entry.path)
+                elif kind == "file":
+                    found.append(entry.path)
+            todo += reversed(folders)  # the first by name is walked next
+        return [str(f) for f in sorted(map(Path, found))]
+
+    def _first(self, st: os.stat_result) -> bool:
+        """Whether the folder or file of st is met for the first time (then remembered)."""
+        key = (st.st_dev, st.st_ino)
+        if key in self.seen:
+            self.repeats += 1
+            return False
+        self.seen.add(key)
+        return True
+
+    def _kind(self, entry: os.DirEntry) -> str | None:
+        """The entry's kind: "folder", "file" (regular, met for the first time) or None."""
+        try:
+            st = entry.stat()  # through links
+        except OSError:
+            self.others.append(entry.path)
+            return None
+        if stat.S_ISDIR(st.st_mode):
+            return "folder"
+        if not stat.S_ISREG(st.st_mode):
+            self.others.append(entry.path)
+            return None
+        return "file" if self._first(st) else None
+
+    def warn(self, prefix: str = "") -> None:
+        """One warning line per kind of skipped entry."""
+        if self.repeats:
+            why = "link(s) to a folder or file met before skipped (each file is read once)"
+            print(f"WARNING {prefix}{self.repeats} {why}", flush=True)
+        if self.others:
+            why = "entries that are not regular files (FIFOs, devices, broken links, ...) skipped"
+            print(f"WARNING {prefix}{len(self.others)} {why}, e.g. {self.others[0]}", flush=True)
 
 
 def parse_labels(text: str, where: str, nc: int | None = None) -> tuple[list, list, int, int]:
@@ -131,7 +218,10 @@ def verify(im_file: str, lb_file: str, nc: int | None = None) -> tuple:
         return CORRUPT, (0, 0), [], [f"{im_file}: {why}; image skipped"], 0, 0
 
     try:
-        if os.path.getsize(im_file) == 0:
+        st = os.stat(im_file)
+        if not stat.S_ISREG(st.st_mode):  # a FIFO would block, a device never end
+            return bad("not a regular file (a FIFO, device or socket)")
+        if st.st_size == 0:
             return bad("empty (0-byte) file")
         with Image.open(im_file) as im:
             (w, h), fmt = im.size, im.format
@@ -151,9 +241,10 @@ def verify(im_file: str, lb_file: str, nc: int | None = None) -> tuple:
     if not os.path.exists(lb_file):
         return MISSING, (h, w), [], msgs, 0, 0
     try:
-        rows, m, dropped, fixed = parse_labels(Path(lb_file).read_text("utf-8"), lb_file, nc)
-    except (OSError, UnicodeDecodeError) as e:
-        return bad(f"label file {lb_file} unreadable ({type(e).__name__}: {e})")
+        text = read_text(lb_file, MAX_LABEL_BYTES)
+    except FileError as e:
+        return bad(f"label file {lb_file} unreadable ({str(e).removeprefix(f'{lb_file}: ')})")
+    rows, m, dropped, fixed = parse_labels(text, lb_file, nc)
     if dropped and not rows:
         m.append(f"{im_file}: no valid label rows in {lb_file}; image skipped")
         return CORRUPT, (h, w), [], msgs + m, dropped, fixed
@@ -186,6 +277,8 @@ def _load_or_build(files: list, nc, prefix: str, verbose: bool) -> dict:
         h.update(f"{f}|{s and (s.st_size, s.st_mtime_ns, s.st_mode)}\n".encode())
     key, path = h.hexdigest(), Path(os.path.dirname(lb_files[0]) + ".cache")
     with contextlib.suppress(Exception):  # absent, another format or damaged: verify again
+        if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO would block torch.load
+            raise FileError(f"{path}: not a regular file")
         data = torch.load(path, weights_only=True)  # tensors, lists, numbers, strings: no code
         if data["key"] == key:
             return data

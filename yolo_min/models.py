@@ -1,5 +1,8 @@
 """YOLOv5 detection, segmentation and classification networks from yolov5's yaml configs (names
-equal yolov5's: its state_dicts load with strict=True), and `ModelEMA`, the weights' moving mean."""
+equal yolov5's: its state_dicts load with strict=True), and `ModelEMA`, the weights' moving mean.
+
+The heads keep yolov5's attribute names, which the rest of yolo_min reads: nc classes, nm mask
+coefficients, nl levels, na anchors per level, no outputs per anchor (5 + nc + nm)."""
 
 from __future__ import annotations
 
@@ -10,8 +13,9 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
-import yaml
 from torch.nn.utils import fuse_conv_bn_eval
+
+from .files import read_yaml
 
 CFG_DIR = Path(__file__).parent / "cfg"
 
@@ -19,10 +23,15 @@ CFG_DIR = Path(__file__).parent / "cfg"
 class Conv(nn.Module):
     """Conv2d (no bias) -> BatchNorm2d -> SiLU; `fuse()` folds the BN into the conv."""
 
-    def __init__(self, c1: int, c2: int, k: int = 1, s: int = 1, p: int | None = None):
+    def __init__(self, in_channels, out_channels, kernel_size=1, stride=1, padding=None):
         super().__init__()
-        self.conv = nn.Conv2d(c1, c2, k, s, k // 2 if p is None else p, bias=False)
-        self.bn = nn.BatchNorm2d(c2, eps=1e-3, momentum=0.03)
+        # "Same" padding for odd kernels unless the config gives one.
+        if padding is None:
+            padding = kernel_size // 2
+        self.conv = nn.Conv2d(
+            in_channels, out_channels, kernel_size, stride=stride, padding=padding, bias=False
+        )
+        self.bn = nn.BatchNorm2d(out_channels, eps=1e-3, momentum=0.03)
         self.act = nn.SiLU()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -30,47 +39,57 @@ class Conv(nn.Module):
 
 
 class Bottleneck(nn.Module):
-    """1x1 conv to c2*e channels, 3x3 conv to c2, plus the input when shortcut and c1 == c2."""
+    """1x1 conv to out_channels * expansion, 3x3 conv to out_channels, plus the input when
+    shortcut and the channels match."""
 
-    def __init__(self, c1: int, c2: int, shortcut: bool = True, e: float = 0.5):
+    def __init__(self, in_channels, out_channels, shortcut: bool = True, expansion: float = 0.5):
         super().__init__()
-        self.cv1 = Conv(c1, int(c2 * e), 1, 1)
-        self.cv2 = Conv(int(c2 * e), c2, 3, 1)
-        self.add = shortcut and c1 == c2
+        hidden = int(out_channels * expansion)
+        self.cv1 = Conv(in_channels, hidden)
+        self.cv2 = Conv(hidden, out_channels, kernel_size=3)
+        self.add = shortcut and in_channels == out_channels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.cv2(self.cv1(x)) if self.add else self.cv2(self.cv1(x))
+        y = self.cv2(self.cv1(x))
+        if self.add:
+            return x + y
+        return y
 
 
 class C3(nn.Module):
-    """CSP block: n bottlenecks on one half of the channels, a 1x1 shortcut on the other, merged."""
+    """CSP block: `repeats` bottlenecks on one half of the channels, a 1x1 shortcut on the other,
+    merged by a 1x1 conv."""
 
-    def __init__(self, c1: int, c2: int, n: int = 1, shortcut: bool = True):
+    def __init__(self, in_channels, out_channels, repeats: int = 1, shortcut: bool = True):
         super().__init__()
-        c_ = c2 // 2
-        self.cv1 = Conv(c1, c_, 1, 1)
-        self.cv2 = Conv(c1, c_, 1, 1)
-        self.cv3 = Conv(2 * c_, c2, 1)
-        self.m = nn.Sequential(*(Bottleneck(c_, c_, shortcut, e=1.0) for _ in range(n)))
+        hidden = out_channels // 2
+        self.cv1 = Conv(in_channels, hidden)
+        self.cv2 = Conv(in_channels, hidden)
+        self.cv3 = Conv(2 * hidden, out_channels)
+        blocks = (Bottleneck(hidden, hidden, shortcut, expansion=1.0) for _ in range(repeats))
+        self.m = nn.Sequential(*blocks)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.cv3(torch.cat((self.m(self.cv1(x)), self.cv2(x)), 1))
+        bottlenecks = self.m(self.cv1(x))
+        shortcut = self.cv2(x)
+        return self.cv3(torch.cat((bottlenecks, shortcut), 1))
 
 
 class SPPF(nn.Module):
     """Spatial pyramid pooling, fast: three chained 5x5 max-pools equal pools of 5, 9 and 13."""
 
-    def __init__(self, c1: int, c2: int, k: int = 5):
+    def __init__(self, in_channels, out_channels, kernel_size: int = 5):
         super().__init__()
-        self.cv1 = Conv(c1, c1 // 2, 1, 1)
-        self.cv2 = Conv(c1 // 2 * 4, c2, 1, 1)
-        self.m = nn.MaxPool2d(kernel_size=k, stride=1, padding=k // 2)
+        hidden = in_channels // 2
+        self.cv1 = Conv(in_channels, hidden)
+        self.cv2 = Conv(hidden * 4, out_channels)
+        self.m = nn.MaxPool2d(kernel_size=kernel_size, stride=1, padding=kernel_size // 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = [self.cv1(x)]
+        pooled = [self.cv1(x)]
         for _ in range(3):
-            y.append(self.m(y[-1]))
-        return self.cv2(torch.cat(y, 1))
+            pooled.append(self.m(pooled[-1]))
+        return self.cv2(torch.cat(pooled, 1))
 
 
 class Concat(nn.Module):
@@ -81,103 +100,152 @@ class Concat(nn.Module):
 
 
 class Proto(nn.Module):
-    """Mask prototypes: P3 features (bs, c1, H/8, W/8) -> (bs, c2, H/4, W/4)."""
+    """Mask prototypes: P3 features (bs, in_channels, H/8, W/8) -> (bs, num_masks, H/4, W/4)."""
 
-    def __init__(self, c1: int, c_: int = 256, c2: int = 32):
+    def __init__(self, in_channels, hidden: int = 256, num_masks: int = 32):
         super().__init__()
-        self.cv1 = Conv(c1, c_, k=3)
+        self.cv1 = Conv(in_channels, hidden, kernel_size=3)
         self.upsample = nn.Upsample(scale_factor=2, mode="nearest")
-        self.cv2 = Conv(c_, c_, k=3)
-        self.cv3 = Conv(c_, c2)
+        self.cv2 = Conv(hidden, hidden, kernel_size=3)
+        self.cv3 = Conv(hidden, num_masks)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.cv3(self.cv2(self.upsample(self.cv1(x))))
+        x = self.cv1(x)
+        x = self.upsample(x)
+        x = self.cv2(x)
+        return self.cv3(x)
+
+
+def _autocast_off(x: torch.Tensor) -> torch.autocast:
+    """A context with autocast off on x's device type ("cpu" also for the meta device)."""
+    device_type = "cuda" if x.is_cuda else "cpu"
+    return torch.autocast(device_type, enabled=False)
 
 
 class Detect(nn.Module):
-    """One 1x1 conv per level to na * (5 + nc + nm) channels; `anchors` (nl, na, 2) in grid units.
+    """One 1x1 conv per level to na * no channels; `anchors` (nl, na, 2) in grid units.
     train: nl raw maps (bs, na, ny, nx, no), channels [tx, ty, tw, th, obj, cls..., coefs...];
     eval: (bs, N, no) decoded: xywh in input pixels, obj and class probabilities, raw mask coefs."""
 
-    def __init__(self, nc: int = 80, anchors: list = (), ch: list = (), nm: int = 0):
+    def __init__(self, num_classes=80, anchors: list = (), in_channels: list = (), num_masks=0):
         super().__init__()
-        self.nc, self.nm, self.no = nc, nm, 5 + nc + nm
-        self.nl, self.na = len(anchors), len(anchors[0]) // 2
-        self.register_buffer("anchors", torch.tensor(anchors).float().view(self.nl, -1, 2))
-        self.m = nn.ModuleList(nn.Conv2d(c, self.no * self.na, 1) for c in ch)
-        # self.stride (nl,): the levels' strides in input pixels, which Model measures
+        self.nc = num_classes
+        self.nm = num_masks
+        self.no = 5 + num_classes + num_masks
+        self.nl = len(anchors)
+        self.na = len(anchors[0]) // 2
+        anchors_wh = torch.tensor(anchors).float().view(self.nl, -1, 2)
+        self.register_buffer("anchors", anchors_wh)
+        out_channels = self.no * self.na
+        self.m = nn.ModuleList(nn.Conv2d(c, out_channels, 1) for c in in_channels)
+        # Model measures self.stride (nl,), the levels' strides in input pixels.
 
-    def forward(self, xs: list[torch.Tensor]):
+    def forward(self, features: list[torch.Tensor]):
         raw = []
-        # in float32 also under autocast (--amp): the logits of boxes, objectness and classes lose
-        # ~0.07 mAP50 in bfloat16 (shapes, 30 epochs: 0.886 vs 0.958); "cpu" also on meta
-        with torch.autocast("cuda" if xs[0].is_cuda else "cpu", enabled=False):
-            for conv, x in zip(self.m, xs):
-                x = conv(x.float()).unflatten(1, (self.na, self.no)).permute(0, 1, 3, 4, 2)
-                # (bs, na, ny, nx, no): channels_last (--amp) is laid out so, no copy
-                raw.append(x if x.stride(-1) == 1 else x.contiguous())
+        # In float32 also under autocast (--amp): in bfloat16 the logits of boxes, objectness and
+        # classes lose ~0.07 mAP50 (shapes, 30 epochs: 0.886 vs 0.958).
+        with _autocast_off(features[0]):
+            for conv, x in zip(self.m, features):
+                x = conv(x.float())
+                x = x.unflatten(1, (self.na, self.no)).permute(0, 1, 3, 4, 2)
+                # A channels_last map (--amp) is laid out as (bs, na, ny, nx, no) already.
+                if x.stride(-1) != 1:
+                    x = x.contiguous()
+                raw.append(x)
         if self.training:
             return raw
-        return torch.cat([self._decode(x, i) for i, x in enumerate(raw)], 1)
+        decoded = [self._decode(x, level) for level, x in enumerate(raw)]
+        return torch.cat(decoded, 1)
 
-    def _decode(self, x: torch.Tensor, i: int) -> torch.Tensor:
+    def _decode(self, x: torch.Tensor, level: int) -> torch.Tensor:
+        """Level `level`'s raw map (bs, na, ny, nx, no) -> (bs, na * ny * nx, no) decoded."""
         _, _, ny, nx, _ = x.shape
-        grid = torch.stack(torch.meshgrid(torch.arange(nx), torch.arange(ny), indexing="xy"), 2)
-        anchor_px = (self.anchors[i] * self.stride[i]).view(1, self.na, 1, 1, 2).to(x)
-        xy, wh, conf, coefs = x.split((2, 2, self.nc + 1, self.nm), 4)
-        xy = (xy.sigmoid() * 2 + (grid.to(x) - 0.5)) * self.stride[i]  # grid (ny, nx, 2) [x, y]
-        wh = (wh.sigmoid() * 2) ** 2 * anchor_px
-        return torch.cat((xy, wh, conf.sigmoid(), coefs), 4).view(len(x), -1, self.no)
+        cols, rows = torch.meshgrid(torch.arange(nx), torch.arange(ny), indexing="xy")
+        # grid (ny, nx, 2) holds each cell's [x, y].
+        grid = torch.stack((cols, rows), 2)
+        stride = self.stride[level]
+        anchors_px = self.anchors[level] * stride
+        anchors_px = anchors_px.view(1, self.na, 1, 1, 2).to(x)
+        channels = (2, 2, self.nc + 1, self.nm)
+        xy, wh, scores, coefs = x.split(channels, 4)
+        offset = grid.to(x) - 0.5
+        xy = (xy.sigmoid() * 2 + offset) * stride
+        wh = (wh.sigmoid() * 2) ** 2 * anchors_px
+        decoded = torch.cat((xy, wh, scores.sigmoid(), coefs), 4)
+        return decoded.view(len(x), -1, self.no)
 
 
 class Segment(Detect):
     """Detect plus nm mask coefficients: (Detect's output, protos (bs, nm, H/4, W/4) from P3)."""
 
-    def __init__(self, nc=80, anchors=(), nm: int = 32, npr: int = 256, ch: list = ()):
-        super().__init__(nc, anchors, ch, nm=nm)
-        self.proto = Proto(ch[0], npr, nm)
+    def __init__(
+        self, num_classes=80, anchors=(), num_masks=32, proto_channels=256, in_channels=()
+    ):
+        super().__init__(
+            num_classes=num_classes, anchors=anchors, in_channels=in_channels, num_masks=num_masks
+        )
+        self.proto = Proto(in_channels[0], proto_channels, num_masks)
 
-    def forward(self, xs: list[torch.Tensor]):
-        # the prototypes in float32 too, also under autocast: in bfloat16 the shapes segment job
-        # ended 0.08 mAP lower (mask mAP50 0.817 vs 0.893; with them in float32 0.881)
-        with torch.autocast("cuda" if xs[0].is_cuda else "cpu", enabled=False):
-            return super().forward(xs), self.proto(xs[0].float())
+    def forward(self, features: list[torch.Tensor]):
+        # The prototypes in float32 too, also under autocast: in bfloat16 the shapes segment job
+        # ended 0.08 mAP lower (mask mAP50 0.817 vs 0.893; with them in float32 0.881).
+        with _autocast_off(features[0]):
+            detections = super().forward(features)
+            protos = self.proto(features[0].float())
+        return detections, protos
 
 
 class Classify(nn.Module):
-    """1x1 Conv to 1280, average pool, dropout, Linear: (bs, c1, h, w) -> logits (bs, nc)."""
+    """1x1 Conv to 1280, average pool, dropout, Linear: (bs, c, h, w) -> logits (bs, nc)."""
 
-    stride = torch.tensor([32.0])  # of the backbone's last map, as yolov5's classifiers keep it
+    # The stride of the backbone's last map, which yolov5's classifiers keep.
+    stride = torch.tensor([32.0])
 
-    def __init__(self, c1: int, nc: int = 1000, dropout: float = 0.0):
+    def __init__(self, in_channels: int, num_classes: int = 1000, dropout: float = 0.0):
         super().__init__()
-        self.nc = nc
-        self.conv = Conv(c1, 1280)  # EfficientNet-B0's head width
-        self.conv.bn.eps, self.conv.bn.momentum = 1e-5, 0.1  # torch's: as yolov5's Classify keeps
+        self.nc = num_classes
+        # EfficientNet-B0's head width, with torch's BatchNorm defaults, as yolov5's Classify has.
+        self.conv = Conv(in_channels, 1280)
+        self.conv.bn.eps = 1e-5
+        self.conv.bn.momentum = 0.1
         self.pool = nn.AdaptiveAvgPool2d(1)
         self.drop = nn.Dropout(dropout, inplace=True)
-        self.linear = nn.Linear(1280, nc)
+        self.linear = nn.Linear(1280, num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(self.drop(self.pool(self.conv(x)).flatten(1)))
+        pooled = self.pool(self.conv(x)).flatten(1)
+        return self.linear(self.drop(pooled))
 
 
-# The only names a config may use: a table, never eval().
-MODULES = {"Conv": Conv, "C3": C3, "SPPF": SPPF, "Concat": Concat, "Upsample": nn.Upsample}
-MODULES |= {"nn.Upsample": nn.Upsample, "Detect": Detect, "Segment": Segment, "Classify": Classify}
-TASKS = {Detect: "detect", Segment: "segment", Classify: "classify"}  # from the last layer's type
+# A config may use only these names: a table, never eval().
+MODULES = {
+    "Conv": Conv,
+    "C3": C3,
+    "SPPF": SPPF,
+    "Concat": Concat,
+    "Upsample": nn.Upsample,
+    "nn.Upsample": nn.Upsample,
+    "Detect": Detect,
+    "Segment": Segment,
+    "Classify": Classify,
+}
+# The task follows from the last layer's type.
+TASKS = {Detect: "detect", Segment: "segment", Classify: "classify"}
 
 
 def amp_dtype(device: torch.device, mode: str = "auto") -> torch.dtype | None:
     """The autocast dtype of --amp {auto,on,off} on device, None: float32."""
     # auto: float16 on CUDA, bfloat16 on a CPU with native bf16 (AVX512-BF16, AMX, Arm BF16);
-    # on: also where bf16 is emulated; off, and other devices: float32
+    # on: also where bf16 is emulated; off, and other devices: float32.
     if mode == "off" or device.type not in ("cuda", "cpu"):
         return None
     if device.type == "cuda":
         return torch.float16
-    native = any(map(torch.cpu.get_capabilities().get, ("avx512_bf16", "amx_bf16", "bf16")))
-    return torch.bfloat16 if native or mode == "on" else None
+    capabilities = torch.cpu.get_capabilities()
+    native = any(map(capabilities.get, ("avx512_bf16", "amx_bf16", "bf16")))
+    if native or mode == "on":
+        return torch.bfloat16
+    return None
 
 
 def make_divisible(x: float, divisor: int = 8) -> int:
@@ -189,26 +257,22 @@ def load_cfg(cfg: str | Path | dict) -> tuple[dict, str]:
     """A model config as a dict, and its name for error messages. Bare names resolve to cfg/."""
     if isinstance(cfg, dict):
         return deepcopy(cfg), "model cfg"
-    path = Path(cfg) if Path(cfg).exists() else CFG_DIR / Path(cfg).name
-    if not path.is_file():
-        shipped = ", ".join(sorted(p.name for p in CFG_DIR.glob("yolov5*.yaml")))
+    path = Path(cfg)
+    if not path.exists():
+        path = CFG_DIR / path.name
+    # a path that is not a regular file: read_yaml says so
+    if not path.exists():
+        names = sorted(p.name for p in CFG_DIR.glob("yolov5*.yaml"))
+        shipped = ", ".join(names)
         raise FileNotFoundError(f"model cfg '{cfg}' not found (shipped configs: {shipped})")
-    return yaml.safe_load(path.read_text()), str(path)
+    return read_yaml(path, "model cfg"), str(path)
 
 
-# What a config may hold, checked before anything is built (a checkpoint's config is untrusted)
-MAX_LAYERS, MAX_REPEATS, MAX_NUMBER = 50, 16, 10_000  # yolov5x: 10 + 15 layers, repeats <= 12
-CFG_CHECKS = {  # the first five are required (anchors too with a Detect or Segment head)
-    "nc": lambda v: type(v) is int and _number(v, 0),
-    "depth_multiple": lambda v: _number(v, 0, 4),
-    "width_multiple": lambda v: _number(v, 0, 4),
-    "backbone": lambda v: _rows(v, MAX_LAYERS),
-    "head": lambda v: _rows(v, MAX_LAYERS),
-    "anchors": lambda v: _rows(v, 8) and all(_rows(r, 20) and all(map(_number, r)) for r in v),
-    "ch": lambda v: v == 3,
-    "names": lambda v: isinstance(v, list) and all(isinstance(n, str) for n in v),
-}
-ROW = "[from (-1 or earlier layers), repeats (1-16 after depth_multiple), module, args (scalars)]"
+# What a config may hold, checked before anything is built: a checkpoint's config is untrusted.
+# yolov5x has 10 + 15 layers and repeats of at most 12.
+MAX_LAYERS = 50
+MAX_REPEATS = 16
+MAX_NUMBER = 10_000
 
 
 def _number(x, low: float = -MAX_NUMBER, high: float = MAX_NUMBER) -> bool:
@@ -220,58 +284,128 @@ def _rows(x, most: int) -> bool:
     return isinstance(x, list) and 0 < len(x) <= most
 
 
-# x's repr cut short: an untrusted object may be huge, or shared lists nested deep
+def _anchor_rows(x) -> bool:
+    """At most 8 levels of at most 10 anchors (w, h pairs), all numbers."""
+    if not _rows(x, 8):
+        return False
+    return all(_rows(row, 20) and all(map(_number, row)) for row in x)
+
+
+def _scalar(x) -> bool:
+    """A layer argument: None, a str, a bool or a number."""
+    return x is None or type(x) in (str, bool) or _number(x)
+
+
+# The first five are required (anchors too with a Detect or Segment head).
+CFG_CHECKS = {
+    "nc": lambda v: type(v) is int and _number(v, 0),
+    "depth_multiple": lambda v: _number(v, 0, 4),
+    "width_multiple": lambda v: _number(v, 0, 4),
+    "backbone": lambda v: _rows(v, MAX_LAYERS),
+    "head": lambda v: _rows(v, MAX_LAYERS),
+    "anchors": _anchor_rows,
+    "ch": lambda v: v == 3,
+    "names": lambda v: isinstance(v, list) and all(isinstance(n, str) for n in v),
+}
+ROW = "[from (-1 or earlier layers), repeats (1-16 after depth_multiple), module, args (scalars)]"
+
+
 def _short(x) -> str:
+    """x's repr cut short: an untrusted object may be huge, or shared lists nested deep."""
     return reprlib.repr(x)[:40]
 
 
-def parse_model(d: dict, where: str) -> tuple[nn.Sequential, list[int]]:
+def _check_keys(cfg: dict, where: str) -> None:
+    """Raise ValueError unless cfg is a dict with the required keys, each value as CFG_CHECKS."""
+    for key in list(CFG_CHECKS)[:5]:
+        if not isinstance(cfg, dict) or key not in cfg:
+            raise ValueError(f"{where}: missing key '{key}'")
+    for key, value in cfg.items():
+        check = CFG_CHECKS.get(key)
+        if check is None or not check(value):
+            why = "is out of range or of the wrong type (or an unknown key)"
+            raise ValueError(f"{where}: {_short(key)}: {_short(value)} {why}")
+
+
+def _check_row(row, index: int, depth_multiple: float, at: str) -> None:
+    """Raise ValueError unless layer `index`'s row is [from, repeats, module, args] (see ROW)."""
+    if not isinstance(row, list) or len(row) != 4:
+        raise ValueError(f"{at}: {_short(row)} is not {ROW}")
+    source, repeats, name, args = row
+    sources = source if isinstance(source, list) else [source]
+    sources_ok = all(type(j) is int and -1 <= j < index for j in sources)
+    repeats_ok = type(repeats) is int and 0 < repeats * depth_multiple <= MAX_REPEATS
+    args_ok = isinstance(args, list) and all(map(_scalar, args))
+    if not (sources and sources_ok and isinstance(name, str) and repeats_ok and args_ok):
+        raise ValueError(f"{at}: {_short(row)} is not {ROW}")
+
+
+def _layer_args(module_class, args: list, in_channels: list, width_multiple: float) -> tuple:
+    """(the constructor's args, the output channels) of a layer of module_class reading maps of
+    in_channels; args: the config's, its symbols (nc, anchors) resolved."""
+    out_channels = in_channels[0]
+    if module_class in (Conv, C3, SPPF):
+        out_channels = make_divisible(args[0] * width_multiple)
+        args = [in_channels[0], out_channels, *args[1:]]
+    elif module_class is Concat:
+        out_channels = sum(in_channels)
+        args = []
+    elif module_class is Classify:
+        args = [in_channels[0], *args]
+    elif module_class in (Detect, Segment):
+        args = list(args)
+        if module_class is Segment:
+            args[3] = make_divisible(args[3] * width_multiple)
+        args.append(in_channels)
+    return args, out_channels
+
+
+def parse_model(cfg: dict, where: str) -> tuple[nn.Sequential, list[int]]:
     """A checked yolov5 cfg dict's layers, and the indices of layers whose outputs are reused."""
-    if missing := [k for k in list(CFG_CHECKS)[:5] if not isinstance(d, dict) or k not in d]:
-        raise ValueError(f"{where}: missing key '{missing[0]}'")
-    if bad := [k for k in d if k not in CFG_CHECKS or not CFG_CHECKS[k](d[k])]:
-        why = "is out of range or of the wrong type (or an unknown key)"
-        raise ValueError(f"{where}: {_short(bad[0])}: {_short(d[bad[0]])} {why}")
-    depth, width = d["depth_multiple"], d["width_multiple"]
-    symbols = {"nc": d["nc"], "anchors": d.get("anchors"), "None": None}
-    layers, reused, chs = [], [], {-1: 3}  # output channels by layer; -1: the last (the image's)
-    for i, row in enumerate(d["backbone"] + d["head"]):
-        at = f"{where}: layer {i}"
-        src, n, name, args = row if isinstance(row, list) and len(row) == 4 else [None] * 4
-        froms = src if isinstance(src, list) else [src]
-        ok = froms and all(type(j) is int and -1 <= j < i for j in froms) and isinstance(name, str)
-        ok = ok and type(n) is int and 0 < n * depth <= MAX_REPEATS and isinstance(args, list)
-        if not ok or not all(a is None or type(a) in (str, bool) or _number(a) for a in args):
-            raise ValueError(f"{at}: {_short(row)} is not {ROW}")
+    _check_keys(cfg, where)
+    depth_multiple = cfg["depth_multiple"]
+    width_multiple = cfg["width_multiple"]
+    symbols = {"nc": cfg["nc"], "anchors": cfg.get("anchors"), "None": None}
+    layers = []
+    reused = []
+    # channels maps each layer to its output channels; -1 is the last layer so far (at first, the
+    # image).
+    channels = {-1: 3}
+    for index, row in enumerate(cfg["backbone"] + cfg["head"]):
+        at = f"{where}: layer {index}"
+        _check_row(row, index=index, depth_multiple=depth_multiple, at=at)
+        source, repeats, name, args = row
         if name not in MODULES:
             raise ValueError(f"{at}: unknown module {_short(name)} (known: {', '.join(MODULES)})")
-        m, n = MODULES[name], max(round(n * depth), 1) if n > 1 else n
+        module_class = MODULES[name]
+        sources = source if isinstance(source, list) else [source]
+        if repeats > 1:
+            repeats = max(round(repeats * depth_multiple), 1)
+        # The arguments are scalars: only the strings among them can be symbols.
+        args = [symbols.get(a, a) for a in args]
+        in_channels = [channels[j] for j in sources]
         try:
-            args = [symbols.get(a, a) if isinstance(a, str) else a for a in args]
-            c_in = [chs[j] for j in froms]
-            c_out = c_in[0]
-            if m in (Conv, C3, SPPF):
-                c_out = make_divisible(args[0] * width)
-                args = [c_in[0], c_out, *args[1:]]
-                if m is C3:
-                    args, n = [*args[:2], n, *args[2:]], 1
-            elif m is Concat:
-                c_out, args = sum(c_in), []
-            elif m is Classify:
-                args = [c_in[0], *args]
-            elif m in (Detect, Segment):
-                if "anchors" not in d:
-                    raise ValueError("missing key 'anchors'")
-                if m is Segment:
-                    args[3] = make_divisible(args[3] * width)
-                args.append(c_in)
-            module = nn.Sequential(*(m(*args) for _ in range(n))) if n > 1 else m(*args)
-        except (TypeError, ValueError, IndexError) as e:
-            raise ValueError(f"{at} ({name}): bad args {_short(args)}: {e}") from None
-        module.i, module.f = i, src
-        layers.append(module)
-        reused.extend(j for j in froms if j != -1)
-        chs[i] = chs[-1] = c_out
+            if module_class in (Detect, Segment) and "anchors" not in cfg:
+                raise ValueError("missing key 'anchors'")
+            args, out_channels = _layer_args(
+                module_class, args, in_channels=in_channels, width_multiple=width_multiple
+            )
+            # C3 repeats its bottlenecks itself.
+            if module_class is C3:
+                args.insert(2, repeats)
+                repeats = 1
+            if repeats > 1:
+                layer = nn.Sequential(*(module_class(*args) for _ in range(repeats)))
+            else:
+                layer = module_class(*args)
+        except (TypeError, ValueError, IndexError) as error:
+            raise ValueError(f"{at} ({name}): bad args {_short(args)}: {error}") from None
+        layer.index = index
+        layer.source = source
+        layers.append(layer)
+        reused.extend(j for j in sources if j != -1)
+        channels[index] = out_channels
+        channels[-1] = out_channels
     return nn.Sequential(*layers), sorted(set(reused))
 
 
@@ -288,40 +422,62 @@ class Model(nn.Module):
         head = self.head
         if type(head) not in TASKS:
             raise ValueError(f"{where}: the last layer must be Detect, Segment or Classify")
-        self.task, self.nc = TASKS[type(head)], head.nc
-        self.names = self.yaml.get("names") or [str(i) for i in range(head.nc)]
-        if self.task != "classify":  # strides from one dummy pass; then the anchors in grid units
-            with torch.no_grad():
-                out = self.forward(torch.zeros(1, 3, 256, 256))
-            maps = out[0] if self.task == "segment" else out
-            head.stride = torch.tensor([256 / x.shape[-3] for x in maps], device="cpu")  # also meta
-            head.anchors /= head.stride.view(-1, 1, 1)
-            for conv, stride in zip(head.m, head.stride):  # priors: ~8 objects per 640 px, 0.6/nc
-                b = conv.bias.data.view(head.na, -1)
-                b[:, 4] += math.log(8 / (640 / stride) ** 2)
-                b[:, 5 : 5 + head.nc] += math.log(0.6 / (head.nc - 0.99999))
-        self.stride = head.stride  # (nl,) float: [8, 16, 32] ([32]: Classify's input)
+        self.task = TASKS[type(head)]
+        self.nc = head.nc
+        default_names = [str(i) for i in range(head.nc)]
+        self.names = self.yaml.get("names") or default_names
+        if self.task != "classify":
+            self._measure_strides()
+            self._init_biases()
+        # The strides (nl,), float: [8, 16, 32] for detection, [32] for Classify's input.
+        self.stride = head.stride
 
     @property
-    def head(self) -> Detect | Classify:  # or Segment
+    def head(self) -> Detect | Classify:
+        """The last layer: a Detect (or Segment, a Detect) or a Classify head."""
         return self.model[-1]
+
+    def _measure_strides(self) -> None:
+        """The head's strides from one dummy pass; then its anchors from pixels to grid units."""
+        head = self.head
+        with torch.no_grad():
+            out = self.forward(torch.zeros(1, 3, 256, 256))
+        maps = out
+        if self.task == "segment":
+            maps = out[0]
+        # The strides live on the CPU, also when the model is built on the meta device.
+        strides = [256 / x.shape[-3] for x in maps]
+        head.stride = torch.tensor(strides, device="cpu")
+        head.anchors /= head.stride.view(-1, 1, 1)
+
+    def _init_biases(self) -> None:
+        """yolov5's priors: objectness for ~8 objects per 640x640 image, class scores 0.6 / nc."""
+        head = self.head
+        class_prior = math.log(0.6 / (head.nc - 0.99999))
+        for conv, stride in zip(head.m, head.stride):
+            bias = conv.bias.data.view(head.na, -1)
+            cells = (640 / stride) ** 2
+            bias[:, 4] += math.log(8 / cells)
+            bias[:, 5 : 5 + head.nc] += class_prior
 
     def forward(self, x: torch.Tensor):
         outputs = []
-        for m in self.model:
-            if isinstance(m.f, list):
-                x = [x if j == -1 else outputs[j] for j in m.f]
-            elif m.f != -1:
-                x = outputs[m.f]
-            x = m(x)
-            outputs.append(x if m.i in self.reused else None)
+        for layer in self.model:
+            if isinstance(layer.source, list):
+                x = [x if j == -1 else outputs[j] for j in layer.source]
+            elif layer.source != -1:
+                x = outputs[layer.source]
+            x = layer(x)
+            # Only the outputs that later layers read are kept.
+            outputs.append(x if layer.index in self.reused else None)
         return x
 
     def fuse(self) -> Model:
         """Fold every BatchNorm into its conv (eval mode, for inference); outputs equal to ~1e-5."""
-        for m in self.modules():
-            if isinstance(m, Conv) and isinstance(m.bn, nn.BatchNorm2d):
-                m.conv, m.bn = fuse_conv_bn_eval(m.conv, m.bn), nn.Identity()
+        for module in self.modules():
+            if isinstance(module, Conv) and isinstance(module.bn, nn.BatchNorm2d):
+                module.conv = fuse_conv_bn_eval(module.conv, module.bn)
+                module.bn = nn.Identity()
         return self
 
 
@@ -339,10 +495,11 @@ class ModelEMA:
 
     @torch.no_grad()
     def update(self, model: nn.Module) -> None:
-        """After an optimizer step: ema = d * ema + (1 - d) * model."""
+        """After an optimizer step: ema = decay * ema + (1 - decay) * model."""
         self.updates += 1
-        d = 0.9999 * (1 - math.exp(-self.updates / 2000))  # short memory early in training
+        # The decay ramps up from 0, so that the average forgets fast early in training.
+        decay = 0.9999 * (1 - math.exp(-self.updates / 2000))
         state = de_parallel(model).state_dict()
-        for k, v in self.ema.state_dict().items():
-            if v.dtype.is_floating_point:
-                v.lerp_(state[k].detach(), 1 - d)
+        for name, value in self.ema.state_dict().items():
+            if value.dtype.is_floating_point:
+                value.lerp_(state[name].detach(), 1 - decay)

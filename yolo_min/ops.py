@@ -81,8 +81,13 @@ def process_mask(protos, coefs, boxes, input_hw: tuple[int, int]) -> torch.Tenso
 def scale_masks(masks: torch.Tensor, ratio_pad, orig_hw: tuple[int, int]) -> torch.Tensor:
     """(n, H, W) bool masks on the input -> (n, h, w) on the original: padding cut, nearest."""
     (rh, rw), (pw, ph) = ratio_pad
-    top, left = round(ph - 0.1), round(pw - 0.1)  # where the image starts, as yolov5 splits padding
-    m = masks[:, top : top + round(orig_hw[0] * rh), left : left + round(orig_hw[1] * rw)]
+    # the image on the input: rows x cols pixels, at least one each (a 5000 x 1 image: 640 x 1)
+    rows = max(round(orig_hw[0] * rh), 1)
+    cols = max(round(orig_hw[1] * rw), 1)
+    # where letterbox put it: round((H - rows) / 2 - 0.1); ph is (H - h * r) / 2 or that row
+    top = round(ph + (orig_hw[0] * rh - rows) / 2 - 0.1)
+    left = round(pw + (orig_hw[1] * rw - cols) / 2 - 0.1)
+    m = masks[:, top : top + rows, left : left + cols]
     if m.shape[1:] != tuple(orig_hw):
         m = F.interpolate(m[:, None].byte(), size=orig_hw, mode="nearest-exact")[:, 0].bool()
     return m

@@ -1,13 +1,25 @@
 """Prediction as yolov5's detect.py: boxes (and masks), or a classifier's top 5. `stream` is the
 loop (`YOLO.predict`); `main` runs it on a source and writes yolov5's outputs (predict.py), each
-rank on its share of the files under torchrun."""
+rank on its share of the files under torchrun.
+
+Hostile input: only regular files are read (a FIFO named x.jpg is skipped, never waited on), each
+real file once; an image that cannot be decoded, resized, post-processed or saved is named,
+skipped and counted while the rest goes on; 16-bit and float images are scaled to 8 bits
+(datasets.to_rgb8). Everything is written inside the run folder: crops under crops/<the class
+name as one safe folder name>/ (crop_folders), repeated image names kept apart (output_stems);
+a run folder that holds a source file is refused (check_run_folder), and each output replaces
+the file at its path rather than writing through it (replace_file)."""
 
 from __future__ import annotations
 
 import argparse
 import glob
 import json
+import os
+import re
+import stat
 import time
+import warnings
 from functools import partial
 from pathlib import Path
 
@@ -19,34 +31,130 @@ from torch.utils.data import DataLoader
 
 from . import dist, ops, plots
 from .checkpoint import next_run_dir
-from .cli import parse_kwargs
+from .cli import ConfigError, parse_kwargs
+from .datasets import to_rgb8
 from .labels import IMG_FORMATS, DataError
 from .models import amp_dtype, make_divisible
 from .safe_load import load_model
-from .validator import STAGES, base_parser, infer, speed_line
+from .validator import STAGES, base_parser, check_options, infer, round_imgsz, speed_line
 
 PREDICT_NMS = dict(conf_thres=0.25, iou_thres=0.45, max_det=1000)  # yolov5's detect.py
+# characters that are no part of a safe file name on Linux, macOS or Windows
+UNSAFE_CHARACTERS = re.compile(r'[\x00-\x1f\x7f/\\:*?"<>|]')
+MAX_FOLDER_BYTES = 200  # a crop folder's name, in UTF-8 (file systems allow 255)
+
+
+class ImageWarning(UserWarning):
+    """A warning PIL gave while decoding an image, re-issued with the image named."""
 
 
 def find_images(source: str) -> list[str]:
-    """The images of a file, folder (sorted, not recursive), glob or .txt list of paths."""
+    """The images of a file, folder (sorted, not recursive), glob or .txt list of paths (relative
+    ones: to the list's folder, as training's lists), each real file once (its first mention); a
+    `**` walks each real folder once, symlinks followed (a folder linked into itself ends)."""
     path = Path(source)
     if path.suffix == ".txt" and path.is_file():
-        files = [line.strip() for line in path.read_text().splitlines() if line.strip()]
-    else:  # the file, a folder's files, or a glob's
-        pattern = str(Path(glob.escape(source)) / "*") if path.is_dir() else source
-        files = [source] if path.is_file() else sorted(glob.glob(pattern, recursive=True))
-    if not (files := [f for f in files if f.rpartition(".")[2].lower() in IMG_FORMATS]):
+        files = read_list(path)
+    elif path.is_file():
+        files = [source]
+    elif path.is_dir():
+        files = sorted(glob.glob(str(Path(glob.escape(source)) / "*")))
+    else:
+        files = sorted(expand_glob(source))
+    images = [f for f in files if f.rpartition(".")[2].lower() in IMG_FORMATS]
+    if not images:
         why = f"no images ({', '.join(IMG_FORMATS)})" if path.exists() else "not found"
         raise DataError(f"--source {source}: {why}")
-    return files
+    return unique_files(images)
+
+
+def read_list(path: Path) -> list[str]:
+    """A .txt list's paths, one a line (UTF-8), relative ones joined to the list's folder."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise DataError(f"--source {path}: cannot read the list ({one_line(e)})") from None
+    lines = [line.strip() for line in text.splitlines()]
+    return [str(path.parent / line) for line in lines if line]
+
+
+def expand_glob(pattern: str) -> list[str]:
+    """glob.glob(pattern, recursive=True), but each `**` visits each real folder once."""
+    parts = Path(pattern).parts
+    if "**" not in parts:
+        return glob.glob(pattern)
+    cut = parts.index("**")
+    rest = os.path.join(*parts[cut + 1 :]) if cut + 1 < len(parts) else "*"
+    roots = glob.glob(str(Path(*parts[:cut]))) if cut else [""]
+    found = []
+    for root in roots:
+        for folder in walk_once(root):
+            found += expand_glob(os.path.join(glob.escape(folder), rest))
+    return found
+
+
+def walk_once(root: str) -> list[str]:
+    """root ("": the working directory) and the folders below it, but hidden ones (as glob's
+    `**`): symlinks followed, each real folder (device, inode) once, the first way it is met."""
+    seen = set()
+    folders = []
+    for top, subfolders, _ in os.walk(root or ".", followlinks=True):
+        key = file_key(top)
+        if key in seen:
+            # a link back to a folder already walked: do not walk it again
+            subfolders.clear()
+            continue
+        seen.add(key)
+        subfolders[:] = sorted(d for d in subfolders if not d.startswith("."))
+        if root:
+            folders.append(top)
+        else:
+            relative = os.path.relpath(top)
+            folders.append("" if relative == "." else relative)
+    return folders
+
+
+def file_key(path: str):
+    """What makes path one real file: its (device, inode), else (missing) its absolute path."""
+    try:
+        st = os.stat(path)
+    except (OSError, ValueError):  # ValueError: a NUL byte in the path
+        return os.path.abspath(path)
+    return (st.st_dev, st.st_ino)
+
+
+def unique_files(files: list[str]) -> list[str]:
+    """files, each real file (file_key) only where it first appears."""
+    seen = set()
+    unique = []
+    for f in files:
+        key = file_key(f)
+        if key not in seen:
+            seen.add(key)
+            unique.append(f)
+    return unique
+
+
+def source_images(source) -> list:
+    """YOLO.predict's and predict's source as stream's list of images: a path (an image, folder,
+    glob or .txt list: find_images), a PIL image or an array (one image), or a list of these
+    (each path in it one image)."""
+    if isinstance(source, (str, os.PathLike)):
+        return find_images(str(source))
+    if isinstance(source, (Image.Image, np.ndarray)):
+        return [source]
+    if isinstance(source, (list, tuple)):
+        return list(source)
+    why = "an image path, folder, glob, .txt list, PIL image, array or a list of these"
+    raise TypeError(f"predict(source): {type(source).__name__} is not {why}")
 
 
 def letterbox(image: torch.Tensor, imgsz: int, stride: int) -> tuple[torch.Tensor, tuple]:
     """uint8 (h, w, 3) -> (uint8 (3, H, W), ratio_pad): long side to imgsz, centred on 114 grey."""
     (h0, w0), x = image.shape[:2], image.permute(2, 0, 1)
     r = imgsz / max(h0, w0)
-    h, w = round(h0 * r), round(w0 * r)
+    # a side of at least one pixel: a 5000 x 1 image is 640 x 1, not 640 x 0
+    h, w = max(round(h0 * r), 1), max(round(w0 * r), 1)
     H, W = make_divisible(h, stride), make_divisible(w, stride)  # the canvas, as yolov5's
     if (h, w) != (h0, w0):  # as OpenCV's INTER_LINEAR: bilinear, no antialiasing
         x = TF.resize(x, [h, w], antialias=False)  # its default: bilinear
@@ -55,25 +163,74 @@ def letterbox(image: torch.Tensor, imgsz: int, stride: int) -> tuple[torch.Tenso
     return canvas, ((r, r), ((W - w0 * r) / 2, (H - h0 * r) / 2))  # as yolov5's scale_boxes
 
 
+def open_regular(path: str):
+    """path opened for reading in binary, if it is a regular file (ValueError if not): a FIFO,
+    socket or device is never read, as it could block forever or never end."""
+    # without O_NONBLOCK, opening a FIFO waits for a writer, perhaps forever
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    f = os.fdopen(fd, "rb")
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        f.close()
+        raise ValueError("not a regular file")
+    return f
+
+
+def decode(src) -> torch.Tensor:
+    """A path (a regular file within PIL's pixel limit), PIL image or array -> uint8 (h, w, 3):
+    EXIF-rotated, 8-bit RGB (to_rgb8: 16-bit and float images scaled, not clipped)."""
+    if isinstance(src, np.ndarray):
+        image = torch.from_numpy(np.array(src))
+    elif isinstance(src, Image.Image):
+        image = torch.from_numpy(np.array(to_rgb8(ImageOps.exif_transpose(src))))
+    else:
+        with open_regular(src) as f:
+            opened = Image.open(f)
+            (w, h), limit = opened.size, Image.MAX_IMAGE_PIXELS
+            # PIL only warns below twice its limit: gigabytes to decode
+            if limit and w * h > limit:
+                raise ValueError(f"{w}x{h} pixels, more than PIL's limit of {limit:,}")
+            image = torch.from_numpy(np.array(to_rgb8(ImageOps.exif_transpose(opened))))
+    if image.dtype != torch.uint8 or image.ndim != 3 or image.shape[2] != 3:
+        raise ValueError(f"an array of {image.dtype} {tuple(image.shape)}, not uint8 RGB")
+    return image
+
+
+def first_line(text) -> str:
+    """The first line of str(text) ("" if none)."""
+    lines = str(text).splitlines()
+    if not lines:
+        return ""
+    return lines[0]
+
+
+def one_line(e: Exception) -> str:
+    """An exception as `Type: the first line of its message`."""
+    return f"{type(e).__name__}: {first_line(e)}"
+
+
 def read(item: tuple, imgsz: int, stride: int, classify: bool = False) -> dict:
     """(index, a path, PIL image or uint8 (h, w, 3) RGB array) -> {"index", "path", "image"
-    (EXIF-rotated), "input" (letterboxed; classify: centre square), "ratio_pad"} or "error"."""
+    (decode's), "input" (letterboxed; classify: centre square), "ratio_pad", "warnings" (PIL's
+    while decoding, each naming the image)} or {"index", "path", "error"}; it never raises."""
     k, src = item
     path = str(src) if isinstance(src, (str, Path)) else None
     try:
-        if not isinstance(src, np.ndarray):
-            src = ImageOps.exif_transpose(Image.open(src) if path else src).convert("RGB")
-        image = torch.from_numpy(np.array(src))
-        if image.dtype != torch.uint8 or image.ndim != 3 or image.shape[2] != 3:
-            raise ValueError(f"an array of {image.dtype} {tuple(image.shape)}, not uint8 RGB")
-    except Exception as e:  # missing, unreadable, not an image, truncated, ...
-        return dict(index=k, path=path, error=f"{type(e).__name__}: {e}")
-    if classify:  # as ClassifyDataset's validation input
-        square = TF.center_crop(image.permute(2, 0, 1), min(image.shape[:2]))
-        canvas, ratio_pad = TF.resize(square, [imgsz] * 2), None
-    else:
-        canvas, ratio_pad = letterbox(image, imgsz, stride)
-    return dict(index=k, path=path, image=image, input=canvas, ratio_pad=ratio_pad)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            image = decode(src)
+    except Exception as e:  # missing, unreadable, not an image, truncated, too large, ...
+        return dict(index=k, path=path, error=f"unreadable ({one_line(e)})")
+    try:
+        if classify:  # as ClassifyDataset's validation input
+            square = TF.center_crop(image.permute(2, 0, 1), min(image.shape[:2]))
+            canvas, ratio_pad = TF.resize(square, [imgsz] * 2), None
+        else:
+            canvas, ratio_pad = letterbox(image, imgsz, stride)
+    except Exception as e:  # an image of a shape the resizing cannot take
+        return dict(index=k, path=path, error=f"resizing failed ({one_line(e)})")
+    where = path or f"image {k} of the source"
+    notes = [f"{where}: {first_line(w.message)}" for w in caught]
+    return dict(index=k, path=path, image=image, input=canvas, ratio_pad=ratio_pad, warnings=notes)
 
 
 def by_shape(samples, batch_size: int):
@@ -87,15 +244,31 @@ def by_shape(samples, batch_size: int):
     yield from pending.values()
 
 
-@torch.no_grad()
 def stream(model, images, imgsz=640, batch_size=1, workers=0, polygons=False, amp=None, **nms):
-    """Yield an eval-mode Model's results on images (see read), batched by shape, out of order:
-    {"index", "path", "image", "names", "speed" (ms by STAGES)} and "probs" (nc,), or "boxes" (n, 6)
-    xyxy original px, conf, cls by descending conf, "masks" (n, h, w) or None, "polygons" (k, 2)."""
+    """Yield a Model's results on images (see read), batched by shape, out of order: {"index",
+    "path", "image", "names", "speed" (ms by STAGES), "warnings"} and "probs" (nc,), or "boxes"
+    (n, 6) xyxy original px, conf, cls by descending conf, "masks" (n, h, w) or None, "polygons"
+    (k, 2); or, for an image that failed (decoding, letterbox, post-processing), {"index", "path",
+    "error"}. The model runs in eval mode; its own mode is back once the generator ends. Each
+    warning is also issued as an ImageWarning."""
+    was_training = model.training
+    model.eval()
+    try:
+        settings = dict(imgsz=imgsz, batch_size=batch_size, workers=workers, amp=amp)
+        yield from predict_batches(model, images, nms, polygons=polygons, **settings)
+    finally:
+        model.train(was_training)
+
+
+@torch.no_grad()
+def predict_batches(model, images, nms: dict, imgsz, batch_size, workers, polygons, amp):
+    """stream's results, from an eval-mode model."""
     stride, classify = int(model.stride.max()), model.task == "classify"
-    decode = partial(read, imgsz=make_divisible(imgsz, stride), stride=stride, classify=classify)
+    load = partial(read, imgsz=make_divisible(imgsz, stride), stride=stride, classify=classify)
     items = list(enumerate(images))  # collate_fn: each item is decoded in the workers
-    loader = DataLoader(items, batch_size=None, num_workers=workers, collate_fn=decode)
+    # no more processes than there are CPUs or images (as training's loaders)
+    workers = min(workers, os.cpu_count() or 1, len(items))
+    loader = DataLoader(items, batch_size=None, num_workers=workers, collate_fn=load)
     for group in by_shape(loader, batch_size):
         if "error" in group[0]:
             yield group[0]
@@ -103,10 +276,27 @@ def stream(model, images, imgsz=640, batch_size=1, workers=0, polygons=False, am
         x = torch.stack([s["input"] for s in group])
         dets, protos, seconds = infer(model, x, PREDICT_NMS | nms, amp)
         dets = dets.softmax(1).cpu() if classify else dets
+        speed = seconds * 1000 / len(group)
         for s, det, proto in zip(group, dets, protos):
-            res = dict(index=s["index"], path=s["path"], image=s["image"], names=model.names)
-            out = dict(probs=det) if classify else to_original(det, proto, s, x.shape[2:], polygons)
-            yield res | dict(speed=seconds * 1000 / len(group)) | out
+            for note in s["warnings"]:
+                warnings.warn(note, ImageWarning, stacklevel=2)
+            found = dict(det=det, protos=proto, input_hw=x.shape[2:], polygons=polygons)
+            yield finish(s, names=model.names, speed=speed, classify=classify, found=found)
+
+
+def finish(sample: dict, names, speed, classify: bool, found: dict) -> dict:
+    """A sample's result from its logits or detections (found: to_original's arguments but the
+    sample); an "error" result if that fails."""
+    try:
+        if classify:
+            out = dict(probs=found["det"])
+        else:
+            out = to_original(sample=sample, **found)
+    except Exception as e:  # e.g. a mask or polygon of a degenerate image
+        why = f"post-processing failed ({one_line(e)})"
+        return dict(index=sample["index"], path=sample["path"], error=why)
+    res = dict(index=sample["index"], path=sample["path"], image=sample["image"], names=names)
+    return res | dict(speed=speed, warnings=sample["warnings"]) | out
 
 
 def to_original(det, protos, sample: dict, input_hw, polygons: bool) -> dict:
@@ -123,10 +313,14 @@ def to_original(det, protos, sample: dict, input_hw, polygons: bool) -> dict:
     return out
 
 
-def predict(model, images: list, **options) -> list[dict]:
-    """`stream`'s results in the order of images; model: a Model or a weights file."""
-    model = load_model(model) if isinstance(model, (str, Path)) else model.eval()
-    return sorted(stream(model, images, **options), key=lambda r: r["index"])
+def predict(model, images, **options) -> list[dict]:
+    """`stream`'s results in the order of the images; model: a Model (its train or eval mode
+    kept) or a weights file; images: as source_images takes them (a path is one source, as
+    predict.py's --source). The numeric options are checked first (ValueError naming one)."""
+    check_options(options)
+    if isinstance(model, (str, Path)):
+        model = load_model(model)
+    return sorted(stream(model, source_images(images), **options), key=lambda r: r["index"])
 
 
 def top5(result: dict) -> list[tuple[int, float]]:
@@ -178,33 +372,128 @@ def json_entry(result: dict) -> dict:
     return entry | dict(detections=dets)
 
 
-def save(result: dict, save_dir: Path, args) -> None:
-    """An image's outputs: its drawing, labels/<stem>.txt (if it has detections) and crops."""
+def crop_folders(names) -> list[str]:
+    """--save-crop's folder under crops/ for each class: its name made one safe path component
+    (safe_name; an empty one: class<k>), with _<k> (its class index k) added while another class
+    has that folder already (names that differ only in case share one on some file systems)."""
+    folders = []
+    taken = set()
+    for k, name in enumerate(names):
+        folder = safe_name(str(name)) or f"class{k}"
+        while folder.casefold() in taken:
+            folder = f"{folder}_{k}"
+        taken.add(folder.casefold())
+        folders.append(folder)
+    return folders
+
+
+def safe_name(name: str) -> str:
+    """name as a single file name: / \\ : * ? " < > | and control characters as _, leading and
+    trailing dots and spaces dropped (no `.` or `..`), at most MAX_FOLDER_BYTES in UTF-8."""
+    clean = UNSAFE_CHARACTERS.sub("_", name).strip(" .")
+    return clean.encode()[:MAX_FOLDER_BYTES].decode(errors="ignore")
+
+
+def output_stems(files: list[str]) -> list[str]:
+    """The name each source file's outputs take (<stem>.<ext>, labels/<stem>.txt, crops
+    <stem>_<k>.jpg): its stem, with _2, _3, ... added to a stem met before in the source's order
+    (also one met in another case), so that no output replaces another."""
+    stems = []
+    taken = set()
+    for f in files:
+        stem = Path(f).stem
+        unique = stem
+        n = 2
+        while unique.casefold() in taken:
+            unique = f"{stem}_{n}"
+            n += 1
+        taken.add(unique.casefold())
+        stems.append(unique)
+    return stems
+
+
+def check_run_folder(save_dir: Path, files: list[str], source: str) -> None:
+    """ConfigError if the run folder holds a source image (or the .txt list), by the path given
+    or the file it links to: predicting into it would replace the user's images."""
+    run = Path(os.path.realpath(save_dir))
+    inputs = [*files, source] if Path(source).is_file() else files
+    for f in inputs:
+        # the entry itself (its folder resolved), and the file it may link to
+        entry = Path(os.path.realpath(os.path.dirname(os.path.abspath(f)))) / os.path.basename(f)
+        target = Path(os.path.realpath(f))
+        if any(p == run or run in p.parents for p in (entry, target)):
+            why = f"the run folder {save_dir} holds the source file {f}"
+            raise ConfigError(f"--project/--name: {why}; predict into another folder")
+
+
+def replace_file(path: Path, write) -> None:
+    """write(a temporary file beside path), then rename it over path: a file or link already at
+    path is replaced, never written through, and no half-written file is left."""
+    # short, whatever path's length; one file at a time in a process
+    tmp = path.with_name(f".yolo_min-{os.getpid()}.tmp{path.suffix}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def crop_box(box: list, width: int, height: int) -> list[int]:
+    """A box in whole pixels as a crop inside the image, at least 1 x 1 (PIL writes no empty
+    image)."""
+    x1, y1, x2, y2 = (int(v) for v in box)
+    x1 = min(max(x1, 0), width - 1)
+    y1 = min(max(y1, 0), height - 1)
+    x2 = min(max(x2, x1 + 1), width)
+    y2 = min(max(y2, y1 + 1), height)
+    return [x1, y1, x2, y2]
+
+
+def save(result: dict, save_dir: Path, args, stem: str, folders: list[str]) -> None:
+    """An image's outputs under stem (output_stems): its drawing <stem>.<ext>, labels/<stem>.txt
+    (if it has detections) and crops/<folders[class]>/<stem>_<k>.jpg."""
     path, boxes = Path(result["path"]), result.get("boxes", torch.zeros(0, 6))
+    ext = path.name.rpartition(".")[2]
     if not args.nosave:
         picture = draw(result, args.line_width, not args.hide_labels, not args.hide_conf)
-        picture.save(save_dir / path.name)
+        # the format by the source's extension, whatever the temporary file's name
+        kind = Image.registered_extensions()[f".{ext.lower()}"]
+        replace_file(save_dir / f"{stem}.{ext}", partial(picture.save, format=kind))
     if args.save_txt and (len(boxes) or "probs" in result):
-        (save_dir / "labels" / f"{path.stem}.txt").write_text(label_lines(result, args.save_conf))
+        text = label_lines(result, args.save_conf)
+        replace_file(save_dir / "labels" / f"{stem}.txt", lambda tmp: tmp.write_text(text))
+    image = Image.fromarray(result["image"].numpy()) if args.save_crop else None
     for k, (*box, _, c) in enumerate(boxes.tolist() if args.save_crop else []):
-        crop = save_dir / "crops" / result["names"][int(c)] / f"{path.stem}_{k}.jpg"
-        crop.parent.mkdir(parents=True, exist_ok=True)
-        Image.fromarray(result["image"].numpy()).crop(box).save(crop)  # box: whole pixels
+        crop = image.crop(crop_box(box, width=image.width, height=image.height))
+        folder = save_dir / "crops" / folders[int(c)]
+        folder.mkdir(parents=True, exist_ok=True)
+        replace_file(folder / f"{stem}_{k}.jpg", crop.save)
 
 
 def get_args_parser() -> argparse.ArgumentParser:
     p = base_parser("Predict boxes (and masks) on images", PREDICT_NMS, "runs/predict")
-    p.add_argument("--source", required=True, help="image, folder, glob or .txt list of paths")
+    source = "image, folder, glob or .txt list of paths (relative ones: to the list's folder)"
+    p.add_argument("--source", required=True, help=source)
     p.add_argument("--classes", nargs="+", type=int, help="keep only these classes")
     p.add_argument("--agnostic-nms", action="store_true", help="NMS across classes")
-    p.add_argument("--batch-size", type=int, default=1, help="per rank")
-    p.add_argument("--workers", type=int, default=0, help="image decoding processes per rank")
-    p.add_argument("--save-txt", action="store_true", help="labels/<image>.txt, yolov5's format")
+    p.add_argument("--batch-size", type=int, default=1, help="per rank, >= 1")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=0,
+        help="image decoding processes per rank, >= 0 (at most the CPUs)",
+    )
+    labels = "labels/<image>.txt, yolov5's format (a repeated image name: <image>_2, _3, ...)"
+    p.add_argument("--save-txt", action="store_true", help=labels)
     p.add_argument("--save-conf", action="store_true", help="confidences in --save-txt labels")
-    p.add_argument("--save-crop", action="store_true", help="crops/<class>/<image>_<k>.jpg")
+    crops = "crops/<class>/<image>_<k>.jpg; <class>: the class name as one safe folder name"
+    crops += ' (/ \\ : * ? " < > | and control characters as _, no leading or trailing dots'
+    crops += " or spaces; empty: class<index>; _<index> added if two classes would share one)"
+    p.add_argument("--save-crop", action="store_true", help=crops)
     p.add_argument("--save-json", action="store_true", help="predictions.json for the source")
     p.add_argument("--nosave", action="store_true", help="no annotated images")
-    p.add_argument("--line-width", type=int, help="box width in pixels (default: by size)")
+    width = "box width in pixels, >= 1 (default: by size)"
+    p.add_argument("--line-width", type=int, help=width)
     p.add_argument("--hide-labels", action="store_true")
     p.add_argument("--hide-conf", action="store_true")
     return p
@@ -219,50 +508,95 @@ def predict_amp(device: torch.device, amp: str) -> torch.dtype | None:
 
 
 def main(args: argparse.Namespace) -> dict:
-    """Predict --source, sharded -> {"save_dir", "images", "skipped", "detections", "speed"}."""
+    """Predict --source, sharded -> {"save_dir", "images", "skipped", "detections", "speed"}. The
+    options, the source and the run folder are checked before the model is loaded."""
+    # before the process group and the model: a bad number costs nothing
+    check_options(vars(args))
     info = dist.setup(args.device)
     try:
+        files = find_images(args.source)
+        # named before sharding: the same names in one process and under torchrun
+        stems = output_stems(files)
+        save_dir = dist.run_on_main(next_run_dir, args.project, args.name, args.exist_ok)
+        check_run_folder(save_dir, files, args.source)
         amp = predict_amp(info.device, args.amp)
         layout = torch.channels_last if args.amp != "off" else None  # faster, in fp32 too
         model = load_model(args.weights, info.device).fuse().to(memory_format=layout)
         if args.classes and not all(0 <= c < model.nc for c in args.classes):
             nc = f"{args.weights} has classes 0 to {model.nc - 1}"
             raise ValueError(f"--classes {' '.join(map(str, args.classes))}: {nc}")
-        args.imgsz = make_divisible(args.imgsz, int(model.stride.max()))
-        mine = find_images(args.source)[info.rank :: info.world_size]  # this rank's share
-        save_dir = dist.run_on_main(next_run_dir, args.project, args.name, args.exist_ok)
+        args.imgsz = round_imgsz(args.imgsz, int(model.stride.max()))
         (save_dir / "labels" if args.save_txt else save_dir).mkdir(parents=True, exist_ok=True)
-        nms = {k: getattr(args, k) for k in ("conf_thres", "iou_thres", "max_det", "classes")}
-        options = (args.imgsz, args.batch_size, args.workers, args.save_txt, amp)
-        seen, n_det, speed, entries = 0, 0, np.zeros(3), []
-        t0 = last = time.time()
-        for i, r in enumerate(stream(model, mine, *options, agnostic=args.agnostic_nms, **nms), 1):
-            if info.rank == 0 and time.time() - last > 10 and i < len(mine):  # progress, every 10 s
-                last, rate = time.time(), i / (time.time() - t0)
-                eta = f"eta {(len(mine) - i) / rate:.0f}s"
-                print(f"{i}/{len(mine)} images  {rate:.1f} images/s  {eta}", flush=True)
-            if "error" in r:
-                print(f"WARNING {r['path']}: unreadable, skipped ({r['error']})", flush=True)
-                continue
-            save(r, save_dir, args)
-            seen, n_det, speed = seen + 1, n_det + len(r.get("boxes", ())), speed + r["speed"]
-            if args.save_json:  # keyed by the file's place in the source
-                entries.append((info.rank + r["index"] * info.world_size, json_entry(r)))
-        # every image is either seen or skipped (unreadable)
-        ranks = dist.all_gather_object((seen, len(mine) - seen, n_det, speed, entries))
+        share = slice(info.rank, None, info.world_size)  # this rank's files
+        mine = dict(files=files[share], stems=stems[share], save_dir=save_dir, amp=amp)
+        counts = predict_share(model, args, info, **mine)
+        ranks = dist.all_gather_object(counts)
         seen, skipped, n_det, speed = (sum(r[i] for r in ranks) for i in range(4))
         speed = dict(zip(STAGES, (speed / max(seen, 1)).tolist()))
         if info.rank == 0:
             if args.save_json:
+                # each entry keyed by its file's place in the source
                 entries = [e for _, e in sorted(e for r in ranks for e in r[4])]
-                (save_dir / "predictions.json").write_text(json.dumps(entries))
+                text = json.dumps(entries)
+                replace_file(save_dir / "predictions.json", lambda tmp: tmp.write_text(text))
             print(speed_line(speed, f"shape {(args.batch_size, 3, args.imgsz, args.imgsz)}"))
-            print(f"{seen} images" + (f", {skipped} unreadable ones skipped" if skipped else ""))
+            print(f"{seen} images" + (f", {skipped} skipped (named above)" if skipped else ""))
             print(f"Results saved to {save_dir}", flush=True)
         out = dict(save_dir=str(save_dir), images=seen, skipped=skipped, detections=n_det)
         return out | dict(speed=speed)
     finally:
         dist.cleanup()
+
+
+def predict_share(model, args, info, files, stems, save_dir: Path, amp) -> tuple:
+    """This rank's files predicted and saved -> (seen, skipped, detections, summed speed, json
+    entries as (place in the whole source, entry)); a failed image is named and skipped."""
+    nms = {k: getattr(args, k) for k in ("conf_thres", "iou_thres", "max_det", "classes")}
+    nms |= dict(agnostic=args.agnostic_nms, polygons=args.save_txt, amp=amp)
+    sizes = dict(imgsz=args.imgsz, batch_size=args.batch_size, workers=args.workers)
+    folders = crop_folders(model.names)
+    seen = 0
+    n_det = 0
+    speed = np.zeros(3)
+    entries = []
+    t0 = last = time.time()
+    with warnings.catch_warnings():
+        # each is printed below, one line naming its image
+        warnings.simplefilter("ignore", ImageWarning)
+        for i, r in enumerate(stream(model, files, **sizes, **nms), 1):
+            # progress, every 10 s
+            if info.rank == 0 and time.time() - last > 10 and i < len(files):
+                last = time.time()
+                rate = i / (last - t0)
+                eta = f"eta {(len(files) - i) / rate:.0f}s"
+                print(f"{i}/{len(files)} images  {rate:.1f} images/s  {eta}", flush=True)
+            entry = save_result(r, save_dir, args, stem=stems[r["index"]], folders=folders)
+            if entry is None:
+                continue
+            seen += 1
+            n_det += len(r.get("boxes", ()))
+            speed = speed + r["speed"]
+            if args.save_json:
+                entries.append((info.rank + r["index"] * info.world_size, entry))
+    # every image is either seen or skipped (named)
+    return seen, len(files) - seen, n_det, speed, entries
+
+
+def save_result(result: dict, save_dir: Path, args, stem: str, folders: list) -> dict | None:
+    """Print a result's warnings and save its outputs -> its --save-json entry ({} without), or
+    None when it failed (named: an image that failed is skipped, the run goes on)."""
+    for note in result.get("warnings", []):
+        print(f"WARNING {note}", flush=True)
+    if "error" in result:
+        print(f"WARNING {result['path']}: {result['error']}; skipped", flush=True)
+        return None
+    try:
+        entry = json_entry(result) if args.save_json else {}
+        save(result, save_dir, args, stem=stem, folders=folders)
+    except Exception as e:  # e.g. a full disk, an image PIL cannot write
+        print(f"WARNING {result['path']}: saving failed ({one_line(e)}); skipped", flush=True)
+        return None
+    return entry
 
 
 def run(**kwargs) -> dict:

@@ -10,6 +10,7 @@ import datetime
 import itertools
 import math
 import random
+import reprlib
 import resource
 import time
 from pathlib import Path
@@ -25,9 +26,10 @@ from . import checkpoint, datasets, dist, safe_load, validator
 from .anchors import check_anchors
 from .cli import ConfigError, parse_kwargs
 from .datasets import ClassifyDataset, YOLODataset, build_dataloader
+from .files import read_yaml
 from .losses import ClassifyLoss, YOLOLoss, scale_hyp
 from .metrics import KINDS, metric_names
-from .models import CFG_DIR, Model, ModelEMA, amp_dtype, de_parallel, make_divisible
+from .models import CFG_DIR, Model, ModelEMA, amp_dtype, de_parallel
 from .plots import draw_batch
 
 NOMINAL_BATCH = 64  # detection: gradients accumulate over this many images before a step
@@ -37,10 +39,49 @@ DEFAULTS = dict(imgsz=640, batch_size=16, optimizer="SGD")
 # trainings this process has started (a script may train more than once under one torchrun run)
 TRAININGS_STARTED = itertools.count()
 OPTIMIZERS = dict(SGD=optim.SGD, Adam=optim.Adam, AdamW=optim.AdamW, RMSProp=optim.RMSprop)
+IMGSZ_RANGE = (32, 8192)
+# the least value of each numeric option (--batch-size: also a multiple of the world size)
+LEAST = dict(epochs=1, batch_size=1, log_every=1, workers=0, patience=0, seed=0)
+# each recipe key's valid range (both recipes' keys): "[" and "]" include a bound, "(" and ")" not
+HYP_RANGES = {
+    "lr0": "(0, 1]",
+    "lrf": "[0, 1]",  # the final lr is lr0 * lrf: never negative, never above lr0
+    "momentum": "(0, 1)",  # SGD's Nesterov momentum needs > 0; Adam's beta1 < 1
+    "weight_decay": "[0, 1)",
+    "warmup_epochs": "[0, 1000]",
+    "warmup_momentum": "[0, 1)",
+    "warmup_bias_lr": "[0, 1]",
+    "box": "[0, 100]",
+    "cls": "[0, 100]",
+    "cls_pw": "(0, 100]",  # BCE positive weights: a negative one makes the loss negative
+    "obj": "[0, 100]",
+    "obj_pw": "(0, 100]",
+    "iou_t": "[0, 1]",
+    "anchor_t": "(1, 100]",  # the w and h ratios of a match are below it: at 1 nothing matches
+    "fl_gamma": "[0, 10]",
+    "label_smoothing": "[0, 1)",
+    "hsv_h": "[0, 1]",  # 1: hues turn by up to 180 degrees
+    "hsv_s": "[0, 1]",  # the gains are 1 +- these: above 1 they could turn negative
+    "hsv_v": "[0, 1]",
+    "degrees": "[0, 180]",
+    "translate": "[0, 1]",
+    "scale": "[0, 1)",  # the scale is 1 +- this: at 1 an image could shrink to nothing
+    "shear": "[0, 45]",
+    "perspective": "[0, 0.001]",  # larger ones fold the 1280-pixel mosaic canvas over itself
+    "flipud": "[0, 1]",
+    "fliplr": "[0, 1]",
+    "mosaic": "[0, 1]",
+}
+# yolov5's recipe keys that yolo_min does not implement: only 0, their default, is accepted
+NOT_IMPLEMENTED = ("mixup", "copy_paste")
+# a training batch of one image fails there (BatchNorm needs two values per channel)
+ONE_IMAGE = "BatchNorm cannot train on 1 image when the last feature map is 1x1 pixel"
 
 
 def get_args_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="Train YOLOv5 detection, segmentation, classification")
+    description = "Train YOLOv5 detection, segmentation, classification"
+    # No abbreviations: the Python API takes only whole names, and so does the command line.
+    p = argparse.ArgumentParser(description=description, allow_abbrev=False)
     p.add_argument("--cfg", default="yolov5n.yaml", help="model cfg; its head sets the task")
     p.add_argument("--data", default="shapes", help="data yaml or folder, 'shapes', 'shapes-cls'")
     p.add_argument("--hyp", default="", help="yaml overriding keys of the recipe")
@@ -70,37 +111,93 @@ def get_args_parser() -> argparse.ArgumentParser:
 
 
 # ---------------------------------------------------------------- builders
-def load_hyp(changes: str | dict, task: str = "detect") -> dict:
-    """The task's recipe (HYP_FILES) with some values changed: a yaml file ('' none) or a dict."""
-    recipe = yaml.safe_load((CFG_DIR / HYP_FILES.get(task, "hyp.scratch-low.yaml")).read_text())
-    if isinstance(changes, str):
-        changes = yaml.safe_load(Path(changes).read_text()) if changes else {}
+def load_hyp(changes: str | dict, task: str = "detect", where: str = "--hyp") -> dict:
+    """The task's recipe (HYP_FILES) with some values changed: a yaml file ('' none) or a dict.
+    ConfigError naming `where` and the key for an unknown key or a value outside its range."""
+    recipe = read_yaml(CFG_DIR / HYP_FILES.get(task, "hyp.scratch-low.yaml"))
+    if isinstance(changes, str) and changes:
+        where = f"{where} {changes}"
+        changes = read_yaml(changes, "--hyp")
+    if changes == "":
+        changes = {}
     if not isinstance(changes, dict):
-        raise ConfigError(f"--hyp: not a mapping of recipe keys to numbers: {changes!r:.50}")
+        kind = type(changes).__name__
+        raise ConfigError(f"{where}: not a mapping of recipe keys to numbers (a {kind})")
     if unknown := sorted(str(k) for k in set(changes) - set(recipe)):
-        raise ConfigError(f"--hyp: unknown keys {unknown} (known: {', '.join(recipe)})")
+        raise ConfigError(f"{where}: unknown keys {unknown[:5]} (known: {', '.join(recipe)})")
     for k, v in changes.items():
-        if type(v) not in (int, float) or not math.isfinite(v):
-            raise ConfigError(f"--hyp: {k} is {v!r:.50}, not a finite number")
+        check_hyp_value(k, v, where)
     return recipe | {k: float(v) for k, v in changes.items()}
 
 
+def check_hyp_value(key: str, value, where: str = "--hyp") -> None:
+    """ConfigError unless value is a finite number in key's range (HYP_RANGES), 0 for a key that
+    is not implemented."""
+    if type(value) not in (int, float) or not math.isfinite(value):
+        raise ConfigError(f"{where}: {key} is {reprlib.repr(value)}, not a finite number")
+    if key in NOT_IMPLEMENTED and value != 0:
+        why = "not implemented by yolo_min (only 0 is accepted)"
+        raise ConfigError(f"{where}: {key} is {value:g}: {why}")
+    bounds = HYP_RANGES.get(key)
+    if bounds and not in_range(value, bounds):
+        raise ConfigError(f"{where}: {key} is {value:g}, outside its range {bounds}")
+
+
+def in_range(value: float, bounds: str) -> bool:
+    """Whether value lies in an interval written "[low, high)" (brackets include, parentheses
+    exclude a bound)."""
+    low, high = (float(b) for b in bounds[1:-1].split(","))
+    above = value >= low if bounds[0] == "[" else value > low
+    below = value <= high if bounds[-1] == "]" else value < high
+    return above and below
+
+
 def check_args(args: argparse.Namespace, task: str, world_size: int) -> None:
-    """ConfigError unless the arguments (given or resumed) are usable; the task's defaults."""
+    """ConfigError naming the option unless the arguments (given or resumed) are usable; fills in
+    the task's defaults and rounds --imgsz up to a multiple of 32."""
     defaults = TASK_DEFAULTS.get(task, DEFAULTS)
     vars(args).update({k: v for k, v in defaults.items() if getattr(args, k) is None})
-    if min(args.epochs, args.log_every) < 1 or min(args.workers, args.patience) < 0:
-        raise ConfigError("--epochs and --log-every must be >= 1, --workers and --patience >= 0")
-    if args.imgsz < 32:
-        raise ConfigError(f"--imgsz {args.imgsz}: at least 32")
+    check_numbers(args, world_size)
     if args.cache not in ("auto", "ram", "off") or not all(type(f) is int for f in args.freeze):
         raise ConfigError("--cache must be auto, ram or off, and --freeze integers")
-    if args.batch_size < world_size or args.batch_size % world_size:  # the global batch
-        size = f"--batch-size {args.batch_size} must be a multiple of the world size {world_size}"
+    if args.optimizer not in OPTIMIZERS:
+        raise ConfigError(f"--optimizer {args.optimizer}: one of {', '.join(OPTIMIZERS)}")
+    args.imgsz = validator.round_imgsz(args.imgsz, 32)
+
+
+def check_numbers(args: argparse.Namespace, world_size: int) -> None:
+    """ConfigError naming the first numeric option out of its range (None: the task's default,
+    filled in later)."""
+    for name, least in LEAST.items():
+        value = getattr(args, name)
+        if value is not None and value < least:
+            raise ConfigError(f"--{name.replace('_', '-')} {value}: must be >= {least}")
+    # numpy's seeds: below 2**32 (rank r seeds seed + r)
+    if args.seed > 2**32 - world_size:
+        raise ConfigError(f"--seed {args.seed}: must be < {2**32 - world_size + 1}")
+    low, high = IMGSZ_RANGE
+    if args.imgsz is not None and not low <= args.imgsz <= high:
+        raise ConfigError(f"--imgsz {args.imgsz}: must be in [{low}, {high}]")
+    batch = args.batch_size
+    if batch is not None and batch % world_size:  # the global batch
+        size = f"--batch-size {batch} must be a multiple of the world size {world_size}"
         raise ConfigError(size)
-    if (size := make_divisible(args.imgsz, 32)) != args.imgsz:
-        dist.print0(f"warning: --imgsz {args.imgsz} is not a multiple of 32, using {size}")
-        args.imgsz = size
+
+
+def check_freeze(freeze: list[int], model: Model) -> None:
+    """ConfigError unless --freeze (the first N layers, or the listed ones) leaves some layer's
+    parameters to train."""
+    layers = len(model.model)
+    trained = {int(k.split(".")[1]) for k, _ in model.named_parameters()}
+    flag = f"--freeze {' '.join(map(str, freeze))}"
+    if not freeze or min(freeze) < 0:
+        raise ConfigError(f"{flag}: layer numbers are >= 0")
+    if len(freeze) > 1 and max(freeze) >= layers:
+        raise ConfigError(f"{flag}: the model has {layers} layers (0-{layers - 1})")
+    frozen = set(freeze) if len(freeze) > 1 else set(range(freeze[0]))
+    if trained <= frozen:
+        why = f"the model has {layers} layers (0-{layers - 1}): no parameter would be trained"
+        raise ConfigError(f"{flag}: {why}")
 
 
 def build_model(args, data: dict, ckpt: dict | None, given: Model | None = None) -> Model:
@@ -120,6 +217,7 @@ def build_model(args, data: dict, ckpt: dict | None, given: Model | None = None)
         # the anchors stay --cfg's, then AutoAnchor's
         kept = transfer(safe_load.load_model(args.weights).state_dict(), model, keep_anchors=False)
         dist.print0(f"Transferred {kept}/{len(model.state_dict())} items from {args.weights}")
+    check_freeze(args.freeze, model)
     frozen = args.freeze if len(args.freeze) > 1 else range(args.freeze[0])
     for k, p in model.named_parameters():
         p.requires_grad = int(k.split(".")[1]) not in frozen
@@ -151,9 +249,28 @@ def build_loaders(args, hyp: dict, model: Model, data: dict, info) -> tuple:
         val = YOLODataset(data["val"], rect=True, batch_size=2 * batch, prefix="val: ", **kw)
     if model.task == "segment":
         train.check_polygons()
+    # BatchNorm cannot train on a batch of one image where the last feature map is 1x1
+    one_fails = args.imgsz <= int(model.stride.max())
+    check_batch_of_one(math.ceil(len(train) / info.world_size), batch, args.imgsz, one_fails)
     ranks = dict(rank=info.rank, world_size=info.world_size, local_world_size=info.local_world_size)
-    loader, _ = build_dataloader(train, batch, args.workers, True, seed=args.seed, **ranks)
+    kw = dict(seed=args.seed, drop_single=one_fails, **ranks)
+    loader, _ = build_dataloader(train, batch, args.workers, True, **kw)
+    if loader.drop_last:
+        dist.print0(f"train: the last batch of each epoch, of 1 image, is dropped ({ONE_IMAGE})")
     return loader, build_dataloader(val, 2 * batch, args.workers, False, **ranks)[0]
+
+
+def check_batch_of_one(images: int, batch: int, imgsz: int, one_fails: bool) -> None:
+    """ConfigError if training would take batches of one image (batch or images per rank 1) where
+    BatchNorm cannot (one_fails)."""
+    if not one_fails or min(images, batch) > 1:
+        return
+    if batch == 1:
+        given = f"--batch-size {batch} per rank"
+    else:
+        given = f"train: {images} image per rank"
+    fix = f"use at least 2 images per rank, or --imgsz > {imgsz}"
+    raise ConfigError(f"{given} at --imgsz {imgsz}: {ONE_IMAGE}; {fix}")
 
 
 def build_optimizer(model: nn.Module, lr: float, momentum: float, decay: float, name="SGD"):
@@ -259,20 +376,28 @@ def train_one_epoch(model, criterion, optimizer, scaler, ema, loader, epoch, arg
 
 # ---------------------------------------------------------------- resume
 def resumed_args(cli, path: str, ckpt: dict) -> argparse.Namespace:
-    """The resumed run's own arguments, checked; only --device and --amp may change."""
-    defaults = vars(get_args_parser().parse_args([]))
+    """The resumed run's own arguments, checked as the command line's are (their ranges: by
+    check_args); only --device and --amp may change."""
+    parser = get_args_parser()
+    defaults = vars(parser.parse_args([]))
     stored = ckpt["args"]  # a dict: checkpoint.load checked
-    types = {k: type(DEFAULTS[k] if v is None else v) for k, v in defaults.items()}
-    wrong = [k for k in defaults if k != "resume" and type(stored.get(k)) is not types[k]]
-    if wrong or set(stored) != set(defaults):
-        raise ConfigError(f"--resume: {path}: not train.py's arguments ({wrong or sorted(stored)})")
-    if cli.resume and ckpt["epoch"] + 1 >= stored["epochs"]:
+    if set(stored) != set(defaults):
+        differ = sorted(map(str, set(stored) ^ set(defaults)))[:5]
+        raise ConfigError(f"--resume: {path}: not train.py's arguments ({differ})")
+    try:
+        own = parse_kwargs(parser, {k: v for k, v in stored.items() if k != "resume"})
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"--resume: {path}: its {e}") from None
+    if cli.resume and ckpt["epoch"] + 1 >= own.epochs:
         raise ConfigError(f"--resume: {path}: the run is finished; start a new one (--weights)")
-    own = {"resume": path, "device": cli.device, "amp": cli.amp}  # all else is the run's own
-    if ignored := [k for k, v in vars(cli).items() if v != defaults[k] and k not in own]:
+    changed = {"resume": path, "device": cli.device, "amp": cli.amp}  # all else is the run's own
+    # a torchrun restart's arguments are the run's own; bare --resume searched --project
+    used = set(changed) | ({"project"} if cli.resume is True else set())
+    ignored = [k for k, v in vars(cli).items() if v != defaults[k] and k not in used]
+    if cli.resume and ignored:
         flags = ", ".join("--" + k.replace("_", "-") for k in ignored)
         dist.print0(f"warning: --resume continues {path} with its own arguments; ignoring {flags}")
-    return argparse.Namespace(**(stored | own))
+    return argparse.Namespace(**(vars(own) | changed))
 
 
 def restore_training(ckpt: dict, training: dict, args, info) -> tuple[int, tuple]:
@@ -338,20 +463,40 @@ def prepare(args, info, given: Model | None = None) -> tuple:
         if run_id:
             # the k-th training of a script finds the folder of its k-th before a restart
             run_id = f"{run_id}/training{next(TRAININGS_STARTED)}"
+        check_numbers(args, info.world_size)
         if resumed := dist.run_on_main(checkpoint.find_resume, args, run_id):
             args, ckpt = resumed_args(args, *resumed), resumed[1]
+        with resumed_checks(args.resume if ckpt else None):
+            check_numbers(args, info.world_size)
         torch.manual_seed(args.seed)  # the same initial weights on every rank
         with dist.main_first():  # local rank 0 first: it writes the label caches (and shapes)
             data = datasets.load_data_config(args.data)
-            model = build_model(args, data, ckpt, given)
-            check_args(args, model.task, info.world_size)
-            hyp = load_hyp(ckpt["hyp"] if ckpt else args.hyp, model.task)
+            with resumed_checks(args.resume if ckpt else None):
+                model = build_model(args, data, ckpt, given)
+                check_args(args, model.task, info.world_size)
+                if ckpt:
+                    hyp = load_hyp(ckpt["hyp"], model.task, where="hyp")
+                else:
+                    hyp = load_hyp(args.hyp, model.task)
             loader, val_loader = build_loaders(args, hyp, model, data, info)
         need = 36 * sum(p.numel() for p in model.parameters())  # 3 files of 3 fp32 copies
         save_dir = dist.run_on_main(checkpoint.make_run_dir, args, hyp, run_id, need)
+        if ckpt:
+            dist.run_on_main(checkpoint.restore_results, ckpt, save_dir)
     except (ValueError, OSError, RuntimeError, yaml.YAMLError) as e:  # DataError, CheckpointError
         raise ConfigError(str(e).splitlines()[0]) from None
     return args, ckpt, hyp, model, loader, val_loader, save_dir
+
+
+@contextlib.contextmanager
+def resumed_checks(path: str | None):
+    """A ConfigError in the block names the checkpoint (path) whose arguments or hyp it checks."""
+    try:
+        yield
+    except ConfigError as e:
+        if path is None:
+            raise
+        raise ConfigError(f"--resume: {path}: its {e}") from None
 
 
 def build_training(model: Model, hyp: dict, args, info) -> tuple:
@@ -412,13 +557,12 @@ def fit(args, info, given: Model | None = None, callbacks: dict | None = None) -
         stop = metrics and args.patience and epoch - best[1] >= args.patience
         rngs = dist.all_gather_object(checkpoint.rng_state())
         if info.rank == 0:
-            log_epoch(save_dir, epoch, args, losses, metrics, optimizer, speed, task)
-            if stop or epoch + 1 == args.epochs or not args.nosave:
-                opt = (optimizer, scaler, epoch, best, args, hyp, rngs)
-                state = checkpoint.training_state(de_parallel(model), ema, *opt)
-                checkpoint.save(state, save_dir / "weights" / "last.pt")
-                if metrics and best[1] == epoch:
-                    checkpoint.save(state, save_dir / "weights" / "best.pt")
+            saves = stop or epoch + 1 == args.epochs or not args.nosave
+            opt = (optimizer, scaler, epoch, best, args, hyp, rngs)
+            state = checkpoint.training_state(de_parallel(model), ema, *opt) if saves else None
+            row = (save_dir, epoch, losses, metrics, optimizer, task)  # results_text's arguments
+            save_epoch(state, bool(metrics) and best[1] == epoch, row)
+            print_epoch(epoch, args.epochs, speed, metrics)
         dist.barrier()  # the checkpoints are on disk before any rank goes on
         run_callbacks(callbacks, event._replace(name="on_fit_epoch_end", metrics=metrics))
         if stop:
@@ -436,6 +580,22 @@ def fit(args, info, given: Model | None = None, callbacks: dict | None = None) -
     run_callbacks(callbacks, end)
     out = dict(save_dir=str(save_dir), data=args.data, epochs=epoch + 1, best_fitness=best[0])
     return out | dict(metrics=metrics, img_s=img_s, model=trained)
+
+
+def save_epoch(state: dict | None, is_best: bool, row: tuple) -> None:
+    """An epoch's last.pt (and best.pt) from state (None: no checkpoint this epoch), then its
+    results.csv row (row: results_text's arguments). The checkpoint holds results.csv as it will be
+    (a resume restores it), and a Ctrl-C or SIGTERM meanwhile takes effect after both:
+    results.csv lists the epochs that last.pt holds."""
+    save_dir = row[0]
+    text = results_text(*row)
+    with checkpoint.signals_held():
+        if state is not None:
+            state["results_csv"] = text
+            checkpoint.save(state, save_dir / "weights" / "last.pt")
+        if state is not None and is_best:
+            checkpoint.save(state, save_dir / "weights" / "best.pt")
+        (save_dir / "results.csv").write_text(text)
 
 
 def validate_saved(ema: ModelEMA, val_loader, save_dir: Path, amp) -> dict:
@@ -458,8 +618,8 @@ def autoanchor(model: Model, train_set, thr: float, args) -> None:
         model.head.anchors[:] = new / stride  # pixels -> grid units
 
 
-def log_epoch(save_dir: Path, epoch, args, losses: dict, metrics, optimizer, img_s, task) -> None:
-    """A row of results.csv (a resumed run first drops the rows after its checkpoint), a line."""
+def results_text(save_dir: Path, epoch: int, losses: dict, metrics, optimizer, task) -> str:
+    """results.csv with epoch's row (a resumed run first drops the rows after its checkpoint)."""
     names = metric_names(KINDS[task])
     row = {"epoch": epoch + 1} | {f"train/{k}_loss": v for k, v in losses.items()}
     row |= {f"metrics/{k}": metrics["metrics"][k] if metrics else "" for k in names}
@@ -467,9 +627,13 @@ def log_epoch(save_dir: Path, epoch, args, losses: dict, metrics, optimizer, img
     path = save_dir / "results.csv"
     lines = path.read_text().splitlines(keepends=True)[: epoch + 1] if path.exists() else []
     lines = lines or [",".join(row) + "\n"]
-    path.write_text("".join(lines) + ",".join(map(str, row.values())) + "\n")
+    return "".join(lines) + ",".join(map(str, row.values())) + "\n"
+
+
+def print_epoch(epoch: int, epochs: int, img_s: float, metrics: dict | None) -> None:
+    """The line of a finished epoch: its speed and validation metrics."""
     val = "  ".join(f"{k} {v:.3f}" for k, v in metrics["metrics"].items()) if metrics else "no val"
-    print(f"epoch {epoch + 1}/{args.epochs}: {img_s:.1f} img/s  {val}", flush=True)
+    print(f"epoch {epoch + 1}/{epochs}: {img_s:.1f} img/s  {val}", flush=True)
 
 
 def main(args: argparse.Namespace, model: Model | None = None, callbacks=None) -> dict:
@@ -480,8 +644,27 @@ def main(args: argparse.Namespace, model: Model | None = None, callbacks=None) -
         raise ConfigError(str(e)) from None
     try:
         return fit(args, info, model, callbacks)
+    except KeyboardInterrupt as e:
+        raise Stopped(e.args[0] if e.args else "SIGINT", stop_note(args.nosave)) from None
     finally:
+        checkpoint.release_locks()
         dist.cleanup()
+
+
+class Stopped(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM stopped a training: args (the signal's name, what the run folder holds)."""
+
+
+def stop_note(nosave: bool) -> str:
+    """What a stopped training leaves to --resume (rank 0: the run folder it holds)."""
+    runs = checkpoint.held_runs()
+    if not runs:
+        return "no run folder was written"
+    if (runs[-1] / "weights" / "last.pt").is_file():
+        return "weights/last.pt holds the last completed epoch"
+    if nosave:
+        return f"--nosave: {runs[-1]} has no weights/last.pt before the final epoch"
+    return f"no epoch was completed: {runs[-1]} has no weights/last.pt to resume"
 
 
 def run(**kwargs) -> dict:

@@ -16,7 +16,7 @@ import torchvision.transforms.v2.functional as TF
 
 from . import datasets, dist, metrics, ops, plots
 from .checkpoint import next_run_dir
-from .cli import parse_kwargs
+from .cli import ConfigError, parse_kwargs
 from .models import amp_dtype, de_parallel, make_divisible
 from .safe_load import load_model
 
@@ -26,6 +26,16 @@ MASK_CHUNK = 32  # masks assembled at once at full resolution (bounds memory)
 AMP_HELP = "auto: fp16 on CUDA, bf16 on a CPU with it (predict.py: fp32); on; off: exact fp32"
 VAL_NMS = dict(conf_thres=0.001, iou_thres=0.6, multi_label=True, max_det=300)  # yolov5's val.py
 STAGES = ("preprocess", "inference", "nms")  # the "speed" of evaluate and predict, ms per image
+# the numeric options of val.py and predict.py: (type, lowest, highest or None for no bound)
+LIMITS = {
+    "imgsz": (int, 32, 8192),
+    "batch_size": (int, 1, None),
+    "workers": (int, 0, None),
+    "max_det": (int, 1, None),
+    "conf_thres": (float, 0.0, 1.0),
+    "iou_thres": (float, 0.0, 1.0),
+    "line_width": (int, 1, None),
+}
 
 
 def preprocess(images: torch.Tensor, device: torch.device, normalize=False) -> torch.Tensor:
@@ -126,6 +136,14 @@ def now(device: torch.device) -> float:
     return time.perf_counter()
 
 
+def round_imgsz(imgsz: int, stride: int) -> int:
+    """imgsz rounded up to a multiple of the stride, with a warning (rank 0) if that changes it."""
+    size = make_divisible(imgsz, stride)
+    if size != imgsz:
+        dist.print0(f"warning: --imgsz {imgsz} is not a multiple of {stride}, using {size}")
+    return size
+
+
 def speed_line(speed: dict, at: str) -> str:
     """yolov5's "Speed: ..." line of ms per image by STAGES."""
     stages = zip(STAGES, ("pre-process", "inference", "NMS"))
@@ -158,14 +176,35 @@ def format_table(res: dict, names: list[str], verbose: bool = False) -> str:
     return "\n".join(lines)
 
 
+def check_options(options: dict) -> None:
+    """ConfigError (TypeError for a value that is no number) naming the first option of LIMITS in
+    options that is out of its range; NaN is out of every range, None (not given) is skipped."""
+    for name, (kind, low, high) in LIMITS.items():
+        value = options.get(name)
+        if value is None:
+            continue
+        flag = "--" + name.replace("_", "-")
+        # a bool is an int to Python, not a number to the user
+        is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not is_number or (kind is int and not isinstance(value, int)):
+            raise TypeError(f"{flag} {value!r:.60}: expected {kind.__name__}")
+        # NaN compares false with everything: the range test written to fail for it
+        in_range = low <= value and (high is None or value <= high)
+        if not in_range:
+            bounds = f"from {low:g} to {high:g}" if high is not None else f"at least {low:g}"
+            raise ConfigError(f"{flag} {value}: must be {bounds}")
+
+
 def base_parser(description: str, nms: dict, project: str) -> argparse.ArgumentParser:
     """The options of val.py and predict.py; nms: the defaults of conf_thres, iou_thres, max_det."""
-    p = argparse.ArgumentParser(description=description)
+    # No abbreviations: the Python API takes only whole names, and so does the command line.
+    p = argparse.ArgumentParser(description=description, allow_abbrev=False)
     p.add_argument("--weights", required=True, help="yolo_min checkpoint or yolov5 .pt")
-    p.add_argument("--imgsz", type=int, default=640, help="long side (a multiple of the stride)")
-    p.add_argument("--conf-thres", type=float, default=nms["conf_thres"])
-    p.add_argument("--iou-thres", type=float, default=nms["iou_thres"], help="NMS IoU")
-    p.add_argument("--max-det", type=int, default=nms["max_det"], help="per image")
+    size = "long side, 32 to 8192 (rounded up to a multiple of the stride)"
+    p.add_argument("--imgsz", type=int, default=640, help=size)
+    p.add_argument("--conf-thres", type=float, default=nms["conf_thres"], help="0 to 1")
+    p.add_argument("--iou-thres", type=float, default=nms["iou_thres"], help="NMS IoU, 0 to 1")
+    p.add_argument("--max-det", type=int, default=nms["max_det"], help="per image, >= 1")
     p.add_argument("--device", default="", help="cpu, 0, cuda:1 (default: cuda if available)")
     p.add_argument("--amp", choices=["auto", "on", "off"], default="auto", help=AMP_HELP)
     p.add_argument("--project", default=project)
@@ -177,8 +216,8 @@ def base_parser(description: str, nms: dict, project: str) -> argparse.ArgumentP
 def get_args_parser() -> argparse.ArgumentParser:
     p = base_parser("Validate a checkpoint (COCO-exact mAP)", VAL_NMS, "runs/val")
     p.add_argument("--data", required=True, help="dataset yaml, or 'shapes'")
-    p.add_argument("--batch-size", type=int, default=32, help="per rank")
-    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--batch-size", type=int, default=32, help="per rank, >= 1")
+    p.add_argument("--workers", type=int, default=4, help=">= 0")
     p.add_argument("--save-json", action="store_true", help="write predictions.json")
     p.add_argument("--coco-ids", action="store_true", help="COCO-91 ids in predictions.json")
     p.add_argument("--plots", action="store_true", help="save label/prediction images")
@@ -189,6 +228,8 @@ def get_args_parser() -> argparse.ArgumentParser:
 def main(args: argparse.Namespace, model=None) -> dict:
     """Validate the model (YOLO.val), else --weights; rank 0 prints the table and writes
     metrics.json. Returns evaluate's metrics."""
+    # before the process group and the model: a bad number costs nothing
+    check_options(vars(args))
     info = dist.setup(args.device)
     try:
         amp = amp_dtype(info.device, args.amp)
@@ -197,7 +238,7 @@ def main(args: argparse.Namespace, model=None) -> dict:
             model = load_model(args.weights, info.device)
         model = model.to(info.device, memory_format=layout)
         source = args.weights or "the model"
-        imgsz = make_divisible(args.imgsz, int(model.stride.max()))
+        imgsz = round_imgsz(args.imgsz, int(model.stride.max()))
         local = dict(local_world_size=info.local_world_size)
         with dist.main_first():  # local rank 0 verifies the labels and writes their cache first
             data = datasets.load_data_config(args.data)

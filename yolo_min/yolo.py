@@ -14,9 +14,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import numpy as np
 import torch
-from PIL import Image
 
 from . import checkpoint, dist, predictor, trainer, validator
 from .cli import parse_kwargs
@@ -145,22 +143,25 @@ class YOLO:
     def predict(self, source, stream: bool = False, **options):
         """stream's results for source (an image file, folder, glob or .txt list of paths, a PIL
         image, a uint8 (h, w, 3) RGB array, or a list of these) with predict.py's options
-        (PREDICT_OPTIONS): a list in the source's order, or a generator with stream=True."""
+        (PREDICT_OPTIONS, checked first: ValueError naming one): a list in the source's order, or
+        a generator with stream=True. The model keeps its train or eval mode."""
         model = self._model()
         fixed = {"weights": "", "source": ""}
         parser = predictor.get_args_parser()
         args = parse_kwargs(parser, options, fixed=fixed, only=PREDICT_OPTIONS)
-        images = predict_sources(source)
+        validator.check_options(vars(args))
+        images = predictor.source_images(source)
         if args.device:
             device = dist.select_device(args.device)
         else:
             device = next(model.parameters()).device
-        model = model.to(device).eval()
+        # stream runs it in eval mode and gives it back in its own mode
+        model = model.to(device)
         nms = dict(conf_thres=args.conf_thres, iou_thres=args.iou_thres, max_det=args.max_det)
         results = predictor.stream(
             model,
             images,
-            imgsz=args.imgsz,
+            imgsz=validator.round_imgsz(args.imgsz, int(model.stride.max())),
             batch_size=args.batch_size,
             workers=args.workers,
             amp=predictor.predict_amp(device, args.amp),
@@ -184,15 +185,3 @@ class YOLO:
             checkpoint.save(state, path)
         self.ckpt_path = Path(path)
         return self.ckpt_path
-
-
-def predict_sources(source) -> list:
-    """YOLO.predict's source as stream's list of images (paths, PIL images or arrays)."""
-    if isinstance(source, (str, os.PathLike)):
-        return predictor.find_images(str(source))
-    if isinstance(source, (Image.Image, np.ndarray)):
-        return [source]
-    if isinstance(source, (list, tuple)):
-        return list(source)
-    why = "an image path, folder, glob, .txt list, PIL image, array or a list of these"
-    raise TypeError(f"predict(source): {type(source).__name__} is not {why}")
