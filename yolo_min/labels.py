@@ -436,13 +436,14 @@ def load_labels(files: list, nc: int | None = None, prefix: str = "", verbose: b
             )
         )
     msgs = data["msgs"]
-    counts = np.bincount(data["status"], minlength=4).tolist()
+    # how many files have each status, in the order of their values
+    found, missing, empty, corrupt = np.bincount(data["status"], minlength=4).tolist()
     stats = dict(
         images=len(files),
-        found=counts[FOUND],
-        missing=counts[MISSING],
-        empty=counts[EMPTY],
-        corrupt=counts[CORRUPT],
+        found=found,
+        missing=missing,
+        empty=empty,
+        corrupt=corrupt,
         # every row, as corrupt files have none
         instances=len(cls),
         dropped=data["dropped"],
