@@ -136,8 +136,9 @@ class Walk:
         ImageFolder's split and class folders, so that no link moves a file to another class."""
         for folder in folders:
             st = os.stat(folder)
-            self.seen.add((st.st_dev, st.st_ino))
-            self.claimed.add((st.st_dev, st.st_ino))
+            key = (st.st_dev, st.st_ino)
+            self.seen.add(key)
+            self.claimed.add(key)
 
     def files(self, root: str | Path) -> list[str]:
         """The regular files under root not met before, sorted as paths."""
