@@ -9,7 +9,6 @@ import random
 import shutil
 import signal
 import socket
-import stat
 import threading
 from pathlib import Path
 
@@ -20,9 +19,12 @@ import yaml
 from .files import FileError, read_text, read_yaml
 from .safe_load import CheckpointError, fitting_model, one_line_errors, read_checked
 
-RUN_ID_FILE = ".torchrun_id"  # in a run folder: the torchrun run that made it
-LOCK_FILE = "train.lock"  # in a run folder while a training writes it: pid, host, torchrun run id
-HELD_LOCKS: dict[Path, None] = {}  # the lock files this process took, in the order taken
+# in a run folder: the torchrun run that made it
+RUN_ID_FILE = ".torchrun_id"
+# in a run folder while a training writes it: pid, host, torchrun run id
+LOCK_FILE = "train.lock"
+# the lock files this process took, in the order taken
+HELD_LOCKS: dict[Path, None] = {}
 
 
 class SaveError(RuntimeError):
@@ -31,16 +33,22 @@ class SaveError(RuntimeError):
 
 def next_run_dir(project: str | Path, name: str, exist_ok: bool = False) -> Path:
     """project/name, or the first free project/name2, name3, ... (project/name with exist_ok)."""
-    path, n = Path(project) / name, 2
+    path = Path(project) / name
+    n = 2
     while path.exists() and not exist_ok:
-        path, n = Path(project) / f"{name}{n}", n + 1
+        path = Path(project) / f"{name}{n}"
+        n += 1
     return path
 
 
 def find_run_dir(project: str | Path, run_id: str | None) -> Path | None:
     """The run folder that the torchrun run `run_id` made under project before a restart."""
-    marks = Path(project).glob(f"*/{RUN_ID_FILE}") if run_id else ()
-    return next((m.parent for m in marks if _read_small(m) == run_id), None)
+    if not run_id:
+        return None
+    for mark in Path(project).glob(f"*/{RUN_ID_FILE}"):
+        if _read_small(mark) == run_id:
+            return mark.parent
+    return None
 
 
 def _read_small(path: Path) -> str | None:
@@ -54,9 +62,14 @@ def _read_small(path: Path) -> str | None:
 def make_run_dir(args, hyp: dict, run_id: str | None, need_bytes: int) -> Path:
     """Make the run folder (a resumed or restarted run's own) with weights/, args.yaml and hyp.yaml;
     fail early if it is unwritable or its disk has less than need_bytes free."""
-    own = find_run_dir(args.project, run_id) or args.resume and Path(args.resume).parent.parent
-    path = own or next_run_dir(args.project, args.name, args.exist_ok)  # own: its last.pt's run
-    free = shutil.disk_usage(next(p for p in (path, *path.parents) if p.exists())).free
+    own = find_run_dir(args.project, run_id)
+    # a resumed run's own: its last.pt's run
+    if not own and args.resume:
+        own = Path(args.resume).parent.parent
+    path = own or next_run_dir(args.project, args.name, args.exist_ok)
+    # the folder's disk, or that of its nearest parent that exists
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    free = shutil.disk_usage(existing).free
     if free < need_bytes:
         need = f"checkpoints need about {need_bytes / 1e6:.0f} MB"
         raise ValueError(f"{path}: only {free / 1e6:.1f} MB free on disk, {need}")
@@ -88,7 +101,8 @@ def find_resume(args, run_id: str | None) -> tuple[str, dict] | None:
     --project), or after a torchrun restart this run's own last.pt. None: a new run. The run
     folder is locked (`lock_run`) for this process."""
     own = find_run_dir(args.project, run_id)
-    keys = set(vars(args))  # train.py's options: the keys of a run's args.yaml
+    # train.py's options: the keys of a run's args.yaml
+    keys = set(vars(args))
     if args.resume is True:
         path = newest_run(args.project, keys) / "weights" / "last.pt"
     elif args.resume:
@@ -97,7 +111,7 @@ def find_resume(args, run_id: str | None) -> tuple[str, dict] | None:
         print(f"torchrun restart: resuming from {path}", flush=True)
     else:
         return None
-    if os.path.exists(path) and not stat.S_ISREG(os.stat(path).st_mode):
+    if path.exists() and not path.is_file():
         raise ValueError(f"--resume {path}: not a regular file")
     ckpt = load(path)
     lock_run(run_folder(path, keys), run_id)
@@ -111,14 +125,17 @@ def is_run_dir(path: Path, keys: set[str]) -> bool:
         stored = read_yaml(path / "args.yaml")
     except FileError:
         return False
-    return isinstance(stored, dict) and set(stored) == keys and (path / "weights").is_dir()
+    if not isinstance(stored, dict) or set(stored) != keys:
+        return False
+    return (path / "weights").is_dir()
 
 
 def run_folder(last: Path, keys: set[str]) -> Path:
     """The run folder of a <run>/weights/last.pt; ValueError unless last is one: --resume writes
     into the folder (args.yaml, results.csv, the checkpoints) and no other."""
     run = last.parent.parent
-    if last.name != "last.pt" or last.parent.name != "weights" or not is_run_dir(run, keys):
+    in_weights = last.name == "last.pt" and last.parent.name == "weights"
+    if not (in_weights and is_run_dir(run, keys)):
         where = "not a run's weights/last.pt (train.py writes <run>/weights/last.pt beside"
         hint = "its <run>/args.yaml); to start from its weights use --weights"
         raise ValueError(f"--resume {last}: {where} {hint}")
@@ -152,13 +169,17 @@ def lock_run(run: Path, run_id: str | None) -> None:
     ValueError naming the holder while it lives. A holder that is gone (its pid no longer alive on
     this host, or this torchrun run before a restart) is replaced; the lock is this process's
     until `release_locks`."""
-    lock = Path(os.path.abspath(run)) / LOCK_FILE  # one spelling per folder
+    # one spelling per folder
+    lock = Path(os.path.abspath(run)) / LOCK_FILE
     if lock in HELD_LOCKS:
         return
     mine = f"{os.getpid()}\n{socket.gethostname()}\n{run_id or ''}\n"
-    for _ in range(2):  # a lock found stale is removed, then taken once more
+    # O_EXCL: only if no file of that name exists
+    create_new = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+    # a lock found stale is removed, then taken once more
+    for _ in range(2):
         try:
-            fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            fd = os.open(lock, create_new, 0o644)
         except FileExistsError:
             _remove_if_stale(lock, run_id)
             continue
@@ -174,9 +195,12 @@ def lock_run(run: Path, run_id: str | None) -> None:
 def _remove_if_stale(lock: Path, run_id: str | None) -> None:
     """Remove a lock file whose holder is gone; ValueError naming a live one."""
     text = _read_small(lock)
-    if text is None:  # removed meanwhile: take it
+    # removed meanwhile: take it
+    if text is None:
         return
-    pid, host, holder_run = (text.splitlines() + ["", "", ""])[:3]
+    # a lock file's lines, as lock_run writes them (missing ones empty)
+    lines = text.splitlines() + ["", "", ""]
+    pid, host, holder_run = lines[:3]
     # torchrun stops every worker of a run before it restarts them
     restarted = bool(run_id) and holder_run == run_id
     here = host == socket.gethostname() and pid.isdigit() and len(pid) < 10
@@ -198,7 +222,8 @@ def _gone(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return True
-    except PermissionError:  # another user's process
+    # another user's process
+    except PermissionError:
         return False
     return False
 
@@ -222,14 +247,21 @@ def held_runs() -> list[Path]:
 def rng_state() -> dict:
     """This process's random states (python, numpy, torch, CUDA) as plain values."""
     name, keys, *rest = np.random.get_state()
-    state = {"python": random.getstate(), "numpy": [name, keys.tolist(), *rest]}
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
-    return state | {"torch": torch.get_rng_state(), "cuda": cuda}
+    cuda = []
+    if torch.cuda.is_available():
+        cuda = torch.cuda.get_rng_state_all()
+    return {
+        "python": random.getstate(),
+        "numpy": [name, keys.tolist(), *rest],
+        "torch": torch.get_rng_state(),
+        "cuda": cuda,
+    }
 
 
 def set_rng_state(state: dict) -> None:
     name, keys, *rest = state["numpy"]
-    np.random.set_state((name, np.array(keys, np.uint32), *rest))
+    keys = np.array(keys, np.uint32)
+    np.random.set_state((name, keys, *rest))
     random.setstate(state["python"])
     torch.set_rng_state(state["torch"])
     if state["cuda"] and torch.cuda.is_available():
@@ -239,17 +271,34 @@ def set_rng_state(state: dict) -> None:
 def training_state(model, ema, optimizer, scaler, epoch, best, args, hyp, rngs) -> dict:
     """All a run needs to continue; epoch: the last finished (0-based), best: (fitness, epoch)."""
     # tensors on the CPU: a file written on a GPU loads anywhere with torch.load
-    state = dict(model_cfg=model.yaml, names=list(model.names), task=model.task)
-    state |= dict(model=_cpu(model.state_dict()), ema=_cpu(ema.ema.state_dict()))
-    state |= dict(optimizer=_cpu(optimizer.state_dict()), scaler=scaler.state_dict())
-    state |= dict(ema_updates=ema.updates, epoch=epoch, best_fitness=best[0], best_epoch=best[1])
-    return state | dict(args=vars(args), hyp=hyp, rng=dict(world_size=len(rngs), ranks=rngs))
+    return dict(
+        model_cfg=model.yaml,
+        names=list(model.names),
+        task=model.task,
+        model=_cpu(model.state_dict()),
+        ema=_cpu(ema.ema.state_dict()),
+        optimizer=_cpu(optimizer.state_dict()),
+        scaler=scaler.state_dict(),
+        ema_updates=ema.updates,
+        epoch=epoch,
+        best_fitness=best[0],
+        best_epoch=best[1],
+        args=vars(args),
+        hyp=hyp,
+        rng=dict(world_size=len(rngs), ranks=rngs),
+    )
 
 
 def _cpu(state: dict) -> dict:
     """A (nested) state_dict with its tensors on the CPU."""
-    cpu = {k: _cpu(v) if isinstance(v, dict) else v for k, v in state.items()}
-    return {k: v.cpu() if torch.is_tensor(v) else v for k, v in cpu.items()}
+    cpu = {}
+    for key, value in state.items():
+        if isinstance(value, dict):
+            value = _cpu(value)
+        elif torch.is_tensor(value):
+            value = value.cpu()
+        cpu[key] = value
+    return cpu
 
 
 def restore(ckpt: dict, model, ema, optimizer, scaler, rank: int, world_size: int) -> bool:
@@ -259,22 +308,32 @@ def restore(ckpt: dict, model, ema, optimizer, scaler, rank: int, world_size: in
         model.load_state_dict(ckpt["model"])
         ema.ema.load_state_dict(ckpt["ema"])
         ema.updates = ckpt["ema_updates"]
-        kinds = [{k: type(v) for k, v in g.items()} for g in optimizer.param_groups]
-        optimizer.load_state_dict(ckpt["optimizer"])  # its settings replace ours: same types?
+        # its settings replace ours: are they of the same types?
+        kinds = _setting_types(optimizer)
+        optimizer.load_state_dict(ckpt["optimizer"])
         state = [(p, v) for p, s in optimizer.state.items() for v in s.values()]
-        ok = all(torch.is_tensor(v) and v.shape in (p.shape, ()) for p, v in state)  # Adam: step
-        if not ok or kinds != [{k: type(v) for k, v in g.items()} for g in optimizer.param_groups]:
+        # a value per parameter: a tensor of its shape, or a scalar (Adam's step)
+        ok = all(torch.is_tensor(v) and v.shape in (p.shape, ()) for p, v in state)
+        if not ok or kinds != _setting_types(optimizer):
             raise CheckpointError("its optimizer state does not fit this model's optimizer")
-        if ckpt["scaler"]:  # empty when saved without a CUDA scaler
+        # empty when saved without a CUDA scaler
+        if ckpt["scaler"]:
             scaler.load_state_dict(ckpt["scaler"])
-        if same_size := ckpt["rng"]["world_size"] == world_size:
+        same_size = ckpt["rng"]["world_size"] == world_size
+        if same_size:
             set_rng_state(ckpt["rng"]["ranks"][rank])
     return same_size
 
 
+def _setting_types(optimizer) -> list[dict]:
+    """The types of each of the optimizer's param groups' settings."""
+    return [{k: type(v) for k, v in group.items()} for group in optimizer.param_groups]
+
+
 def save(state: dict, path: str | Path) -> None:
     """torch.save atomically: a crash, kill or full disk (SaveError) leaves the old file whole."""
-    tmp = Path(f"{path}.tmp")  # written, fsynced, then renamed over path
+    # written, fsynced, then renamed over path
+    tmp = Path(f"{path}.tmp")
     # SIGINT and SIGTERM take effect once the write is done: a KeyboardInterrupt inside torch.save
     # would break its zip writer
     with signals_held():
@@ -287,7 +346,8 @@ def save(state: dict, path: str | Path) -> None:
         except OSError as e:
             raise SaveError(f"cannot write {path} ({e}); the previous one is intact") from None
         finally:
-            tmp.unlink(missing_ok=True)  # what a failed write left
+            # what a failed write left
+            tmp.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager
@@ -297,8 +357,12 @@ def signals_held():
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    held, signals = [], (signal.SIGINT, signal.SIGTERM)
-    old = {s: signal.signal(s, lambda signum, _: held.append(signum)) for s in signals}
+    held = []
+
+    def hold(signum, frame):
+        held.append(signum)
+
+    old = {s: signal.signal(s, hold) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
@@ -317,10 +381,12 @@ def load(path: str | Path) -> dict:
     """A yolo_min training checkpoint for --resume, checked as `training_state` saves it."""
     ckpt = read_checked(path)
     with one_line_errors(f"{path}: "):
-        ok = type(ckpt) is dict and all(isinstance(ckpt.get(k), t) for k, t in RESUME_TYPES.items())
+        ok = type(ckpt) is dict
+        ok = ok and all(isinstance(ckpt.get(k), t) for k, t in RESUME_TYPES.items())
         ok = ok and min(ckpt["epoch"], ckpt["best_epoch"], ckpt["ema_updates"]) >= 0
         ok = ok and all(type(v) in (int, float) for v in ckpt["scaler"].values())
-        ok = ok and isinstance(ckpt.get("results_csv", ""), str)  # absent before this version
+        # results_csv: absent before this version
+        ok = ok and isinstance(ckpt.get("results_csv", ""), str)
         if not ok or not 0 < len(ckpt["rng"]["ranks"]) == ckpt["rng"]["world_size"]:
             raise CheckpointError("its values are not of the types and ranges train.py saves")
         fitting_model(ckpt["model_cfg"], ckpt["model"])

@@ -31,41 +31,55 @@ from .labels import (
 )
 from .ops import box_corners, xywh2xyxy, xyxy2xywh
 
-IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # RGB, pixels in [0, 1]
+# RGB, for pixels in [0, 1]
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
 def load_data_config(path: str) -> dict:
     """Dataset yaml (folder: load_folder_data) -> {yaml_file, path, names: [str], nc, train: [str],
     val: [str]}. 'shapes', 'shapes-cls': embedded, made on first use (on local rank 0 first)."""
-    p, kind = Path(path), str(path).removesuffix(".yaml")
-    if str(path) in ("shapes", "shapes.yaml", "shapes-cls") and not p.exists():  # embedded
-        p = shapes.ensure(kind) / "shapes.yaml" if kind == "shapes" else shapes.ensure(kind)
-    if p.is_dir():
-        return load_folder_data(p)
-    if not p.exists():
+    config = Path(path)
+    # a file or folder of that name comes first
+    if str(path) in ("shapes", "shapes.yaml", "shapes-cls") and not config.exists():
+        kind = str(path).removesuffix(".yaml")
+        config = shapes.ensure(kind)
+        if kind == "shapes":
+            config = config / "shapes.yaml"
+    if config.is_dir():
+        return load_folder_data(config)
+    if not config.exists():
         embedded = "the embedded datasets are shapes (detect, segment) and shapes-cls (classify)"
         raise DataError(f"data yaml {path} not found; {embedded}")
     try:
-        cfg = read_yaml(p, "data yaml")
+        cfg = read_yaml(config, "data yaml")
     except FileError as e:
         raise DataError(str(e)) from None
-    missing = [k for k in ("train", "val", "names") if not isinstance(cfg, dict) or not cfg.get(k)]
+    if not isinstance(cfg, dict):
+        cfg = {}
+    missing = [key for key in ("train", "val", "names") if not cfg.get(key)]
     if missing:
-        raise DataError(f"{p}: missing key(s) {', '.join(missing)}")
-    if isinstance(names := cfg["names"], dict):
+        raise DataError(f"{config}: missing key(s) {', '.join(missing)}")
+    names = cfg["names"]
+    if isinstance(names, dict):
         names = [names.get(i, names.get(str(i))) for i in range(len(names))]
     if not isinstance(names, list) or None in names:
-        raise DataError(f"{p}: names must be a list or a mapping {{0: name, 1: name, ...}}")
+        raise DataError(f"{config}: names must be a list or a mapping {{0: name, 1: name, ...}}")
     if cfg.get("nc", len(names)) != len(names):
-        raise DataError(f"{p}: nc is {cfg['nc']} but names has {len(names)} entries")
-    root = os.path.normpath(p.parent / str(cfg.get("path") or "."))  # absolute: the yaml's folder
-    out = dict(yaml_file=str(p), path=root, names=[str(n) for n in names], nc=len(names))
-    for k in ("train", "val"):
-        srcs = cfg[k] if isinstance(cfg[k], list) else [cfg[k]]
-        out[k] = [os.path.normpath(os.path.join(root, str(s))) for s in srcs]
-        if absent := [s for s in out[k] if not os.path.exists(s)]:
-            raise DataError(f"{p}: {k} source {absent[0]} not found")
-    return out
+        raise DataError(f"{config}: nc is {cfg['nc']} but names has {len(names)} entries")
+    names = [str(name) for name in names]
+    # absolute: relative to the yaml's folder
+    root = os.path.normpath(config.parent / str(cfg.get("path") or "."))
+    data = dict(yaml_file=str(config), path=root, names=names, nc=len(names))
+    for split in ("train", "val"):
+        sources = cfg[split]
+        if not isinstance(sources, list):
+            sources = [sources]
+        data[split] = [os.path.normpath(os.path.join(root, str(s))) for s in sources]
+        absent = [s for s in data[split] if not os.path.exists(s)]
+        if absent:
+            raise DataError(f"{config}: {split} source {absent[0]} not found")
+    return data
 
 
 def check_task(data: dict, task: str) -> None:
@@ -77,22 +91,31 @@ def check_task(data: dict, task: str) -> None:
 
 def load_folder_data(root: Path) -> dict:
     """Classification data root/{train,val or test}/<class>/* -> {path, names, nc, train, val}."""
-    train, val = root / "train", root / ("val" if (root / "val").is_dir() else "test")
+    train = root / "train"
+    val = root / ("val" if (root / "val").is_dir() else "test")
     if not (train.is_dir() and val.is_dir()):
         raise DataError(f"{root}: a classification dataset has train/ and val/ (or test/) folders")
-    names, other = (sorted(d.name for d in os.scandir(f) if d.is_dir()) for f in (train, val))
+    names = sorted(entry.name for entry in os.scandir(train) if entry.is_dir())
+    val_names = sorted(entry.name for entry in os.scandir(val) if entry.is_dir())
     if not names:
         raise DataError(f"{train}: no class folders")
-    if names != other:
-        diff = ", ".join(sorted(set(names) ^ set(other))[:5])
+    if names != val_names:
+        diff = ", ".join(sorted(set(names) ^ set(val_names))[:5])
         raise DataError(f"{val}: class folders differ from train/'s (not in both: {diff})")
-    return dict(path=str(root), names=names, nc=len(names), train=[str(train)], val=[str(val)])
+    return dict(
+        path=str(root),
+        names=names,
+        nc=len(names),
+        train=[str(train)],
+        val=[str(val)],
+    )
 
 
 def available_memory() -> int:
     """Bytes of memory available for new allocations (Linux MemAvailable); 0 where unknown."""
     try:
-        return int(Path("/proc/meminfo").read_text().split("MemAvailable:")[1].split()[0]) * 1024
+        text = Path("/proc/meminfo").read_text()
+        return int(text.split("MemAvailable:")[1].split()[0]) * 1024
     except (OSError, IndexError, ValueError):
         return 0
 
@@ -122,38 +145,57 @@ class YOLODataset(Dataset):
     ):
         if augment and hyp is None:
             raise ValueError("augment=True needs hyp (e.g. yolo_min/cfg/hyp.scratch-low.yaml)")
-        self.imgsz, self.augment, self.hyp, self.task = imgsz, augment, hyp, task
-        self.rect, self.batch_size, self.prefix = rect, batch_size, prefix
+        self.imgsz = imgsz
+        self.augment = augment
+        self.hyp = hyp
+        self.task = task
+        self.rect = rect
+        self.batch_size = batch_size
+        self.prefix = prefix
         files = list_images(sources, prefix, verbose)
         self.im_files, self.labels, self.stats = load_labels(files, nc, prefix, verbose)
-        hw = np.array([lb["shape"] for lb in self.labels], np.float64)
+        hw = np.array([label["shape"] for label in self.labels], np.float64)
         if rect:
-            order = np.argsort(hw[:, 0] / hw[:, 1], kind="stable")
+            aspect = hw[:, 0] / hw[:, 1]
+            order = np.argsort(aspect, kind="stable")
             self.im_files = [self.im_files[i] for i in order]
             self.labels = [self.labels[i] for i in order]
             hw = hw[order]
-            ar, first = hw[:, 0] / hw[:, 1], np.arange(0, len(hw), batch_size)
-            lo, hi = ar[first], ar[np.minimum(first + batch_size, len(ar)) - 1]  # h/w of each batch
-            rel = np.stack([np.where(hi < 1, hi, 1), np.where(lo > 1, 1 / lo, 1)], 1)  # H, W / size
-            self.batch_shapes = np.ceil(rel * imgsz / stride + 0.5).astype(int) * stride
+            self.batch_shapes = self._batch_shapes(aspect[order], stride)
         # each image's (w, h) in the RAM cache: long side imgsz
-        self._dims = np.round(hw[:, ::-1] * imgsz / hw.max(1, keepdims=True)).astype(int)
-        size, free, self._ram = int(self._dims.prod(1).sum()) * 3, available_memory(), None
+        long_side = hw.max(1, keepdims=True)
+        self._dims = np.round(hw[:, ::-1] * imgsz / long_side).astype(int)
+        size = int(self._dims.prod(1).sum()) * 3
+        free = available_memory()
         need = size * local_world_size
+        self._ram = None
         if cache == "ram" and free and need > free:
             gb = f"needs {need / 1e9:.1f} GB, {free / 1e9:.1f} GB is available"
             raise DataError(f"{prefix}caching the images in RAM {gb}: use --cache off")
         # auto: if small enough, decode each image once instead of in every epoch (forked workers
         # share these pages)
         if cache == "ram" or (cache == "auto" and need < free / 10):
-            scales, wh = self._dims[:, 0] / hw[:, 1], self._dims.tolist()
-            self._ram = [im for im, _ in thread_map(self.load_image, range(len(self)), scales, wh)]
+            scales = self._dims[:, 0] / hw[:, 1]
+            loaded = thread_map(self.load_image, range(len(self)), scales, self._dims.tolist())
+            self._ram = [image for image, _ in loaded]
             if verbose:
                 print(f"{prefix}{len(self)} images cached in RAM ({size / 1e6:.0f} MB)", flush=True)
 
+    def _batch_shapes(self, aspect, stride):
+        """Sorted h/w ratios -> each batch's input (H, W): the batch's most extreme image fits
+        imgsz, each side a multiple of stride."""
+        first = np.arange(0, len(aspect), self.batch_size)
+        last = np.minimum(first + self.batch_size, len(aspect)) - 1
+        # H and W over imgsz: min(h/w, 1) of the batch's tallest image (its last), min(w/h, 1) of
+        # its widest (its first)
+        height = np.minimum(aspect[last], 1)
+        width = np.minimum(1 / aspect[first], 1)
+        relative = np.stack([height, width], 1)
+        return np.ceil(relative * self.imgsz / stride + 0.5).astype(int) * stride
+
     def check_polygons(self) -> None:
         """DataError unless some label is a polygon (from boxes alone masks would be rectangles)."""
-        if not any(len(lb["segments"]) for lb in self.labels):
+        if not any(len(label["segments"]) for label in self.labels):
             raise DataError(f"{self.prefix}a segmentation model needs polygon labels: boxes only")
 
     def __len__(self) -> int:
@@ -162,81 +204,130 @@ class YOLODataset(Dataset):
     def load_image(self, i: int, scale: float = 1.0, wh=None) -> tuple[torch.Tensor, tuple]:
         """Image i, uint8 (h,w,3) RGB: cached, else at >= scale x its size (JPEG draft) and resized
         to wh (w, h) if given; and its (sx, sy) scale."""
-        f, (h0, w0) = self.im_files[i], self.labels[i]["shape"]
+        path = self.im_files[i]
+        h0, w0 = self.labels[i]["shape"]
         if self._ram:
-            return self._ram[i], (self._ram[i].shape[1] / w0, self._ram[i].shape[0] / h0)
+            image = self._ram[i]
+            return image, (image.shape[1] / w0, image.shape[0] / h0)
         try:
-            im = Image.open(f)
+            im = Image.open(path)
             if scale < 1:
                 im.draft("RGB", (math.ceil(im.width * scale), math.ceil(im.height * scale)))
-            im = ImageOps.exif_transpose(im) if im.getexif().get(0x0112, 1) != 1 else im
+            # 0x0112: the EXIF orientation tag; 1: as stored
+            if im.getexif().get(0x0112, 1) != 1:
+                im = ImageOps.exif_transpose(im)
             im = to_rgb8(im)
-            im = im.resize(wh, Image.Resampling.BILINEAR) if wh else im
+            if wh:
+                im = im.resize(wh, Image.Resampling.BILINEAR)
         except Exception as e:
-            raise DataError(f"{f}: unreadable now ({e}); it changed after verification") from e
-        return torch.from_numpy(np.array(im)), (im.width / w0, im.height / h0)
+            raise DataError(f"{path}: unreadable now ({e}); it changed after verification") from e
+        resized_by = (im.width / w0, im.height / h0)
+        return torch.from_numpy(np.array(im)), resized_by
 
-    def _pieces(self, i: int, mosaic: bool) -> tuple[list, tuple]:
-        """-> (pieces, canvas (w, h)): a mosaic of 4 around a random centre, or i letterboxed."""
-        s = self.imgsz
-        if not mosaic:
-            h0, w0 = self.labels[i]["shape"]
-            H, W = map(int, self.batch_shapes[i // self.batch_size]) if self.rect else (s, s)
-            r = min(s / max(h0, w0), H / h0, W / w0)
-            ox, oy = round((W - w0 * r) / 2 - 0.1), round((H - h0 * r) / 2 - 0.1)
-            return [Piece(i, r, ox, oy, (ox, oy, ox + w0 * r, oy + h0 * r))], (W, H)
-        xc, yc = random.uniform(0.5 * s, 1.5 * s), random.uniform(0.5 * s, 1.5 * s)
+    def _letterbox(self, i):
+        """-> ([Piece], canvas (w, h)): image i scaled to fit the input shape, centred."""
+        size = self.imgsz
+        h0, w0 = self.labels[i]["shape"]
+        height = size
+        width = size
+        if self.rect:
+            height, width = map(int, self.batch_shapes[i // self.batch_size])
+        r = min(size / max(h0, w0), height / h0, width / w0)
+        # the padding split as yolov5's letterbox splits it
+        left = round((width - w0 * r) / 2 - 0.1)
+        top = round((height - h0 * r) / 2 - 0.1)
+        clip = (left, top, left + w0 * r, top + h0 * r)
+        piece = Piece(index=i, r=r, ox=left, oy=top, clip=clip)
+        return [piece], (width, height)
+
+    def _mosaic(self, i):
+        """-> (4 Pieces, canvas (w, h)): image i and 3 random ones around a random centre."""
+        size = self.imgsz
+        centre_x = random.uniform(0.5 * size, 1.5 * size)
+        centre_y = random.uniform(0.5 * size, 1.5 * size)
+        indices = [i] + random.choices(range(len(self)), k=3)
         pieces = []
         # top-left, top-right, bottom-left, bottom-right of the centre
-        for j, k in enumerate([i] + random.choices(range(len(self)), k=3)):
+        for j, k in enumerate(indices):
             h0, w0 = self.labels[k]["shape"]
-            r = s / max(h0, w0)
-            x0, y0 = (xc - w0 * r if j in (0, 2) else xc), (yc - h0 * r if j in (0, 1) else yc)
-            clip = (max(x0, 0), max(y0, 0), min(x0 + w0 * r, 2 * s), min(y0 + h0 * r, 2 * s))
-            pieces.append(Piece(k, r, x0, y0, clip))
-        return pieces, (2 * s, 2 * s)
+            r = size / max(h0, w0)
+            x0 = centre_x - w0 * r if j in (0, 2) else centre_x
+            y0 = centre_y - h0 * r if j in (0, 1) else centre_y
+            right = min(x0 + w0 * r, 2 * size)
+            bottom = min(y0 + h0 * r, 2 * size)
+            clip = (max(x0, 0), max(y0, 0), right, bottom)
+            pieces.append(Piece(index=k, r=r, ox=x0, oy=y0, clip=clip))
+        return pieces, (2 * size, 2 * size)
 
     def __getitem__(self, key: int | tuple) -> dict:
         """key: an index, or (seed, epoch, index) from EpochSampler: seeds the augmentation."""
+        i = key
         if isinstance(key, tuple):
             random.seed("%d:%d:%d" % key)
-        i = key[2] if isinstance(key, tuple) else key
+            i = key[2]
         mosaic = self.augment and not self.rect and random.random() < self.hyp["mosaic"]
-        pieces, canvas = self._pieces(i, mosaic)
-        W, H = out = (self.imgsz, self.imgsz) if mosaic else canvas
-        M, sc = affine_matrix(canvas, out, self.hyp) if self.augment else (np.eye(3), 1.0)
-        image, shifts = render(pieces, M, out, self.load_image)
-        p0, lb = pieces[0], self.labels[i]
-        pad = (float(p0.ox + shifts[0][0]), float(p0.oy + shifts[0][1]))
+        if mosaic:
+            pieces, canvas = self._mosaic(i)
+            out = (self.imgsz, self.imgsz)
+        else:
+            pieces, canvas = self._letterbox(i)
+            out = canvas
+        width, height = out
+        matrix = np.eye(3)
+        scale = 1.0
         if self.augment:
-            labels = [self.labels[p.index] for p in pieces]
-            cls, boxes, polys = place_labels(pieces, labels, M, sc, out, shifts)
+            matrix, scale = affine_matrix(canvas, out, self.hyp)
+        image, shifts = render(pieces, matrix, out_wh=out, load=self.load_image)
+        first = pieces[0]
+        label = self.labels[i]
+        shift_x, shift_y = shifts[0]
+        pad = (float(first.ox + shift_x), float(first.oy + shift_y))
+        if self.augment:
+            labels = [self.labels[piece.index] for piece in pieces]
+            cls, boxes, polys = place_labels(
+                pieces, labels, matrix, scale, out_wh=out, shifts=shifts
+            )
             image = hsv_jitter(image, self.hyp)
-            for ax, flip in ((1, "flipud"), (0, "fliplr")):  # ax 1: y, image dim 1; ax 0: x, dim 2
+            # flipud mirrors y (axis 1 of the boxes, dim 1 of the image), fliplr x (axis 0, dim 2)
+            for axis, flip in ((1, "flipud"), (0, "fliplr")):
                 if random.random() < self.hyp[flip]:
-                    image = image.flip(2 - ax)
-                    boxes[:, [ax, ax + 2]] = out[ax] - boxes[:, [ax + 2, ax]]
-                    for q in (q for q in polys if q is not None):
-                        q[:, ax] = out[ax] - q[:, ax]
-        else:  # the label file's boxes and polygons, exactly letterboxed
-            k = np.array(lb["shape"][::-1] * 2) * p0.r  # normalised -> input pixels
-            cls, boxes = lb["cls"], xywh2xyxy(lb["bboxes"] * k + [*pad, 0, 0])
-            polys = [s * k[:2] + pad for s in lb["segments"]] or [None] * len(cls)
-        xywh = xyxy2xywh(boxes) / [W, H, W, H]
-        targets = torch.from_numpy(np.concatenate([np.reshape(cls, (-1, 1)), xywh], 1)).float()
-        masks = overlap_mask(polys, boxes, (H, W)) if self.task == "segment" else None
-        shape, path = (lb["shape"], ((float(p0.r),) * 2, pad)), self.im_files[i]
-        return dict(image=image, targets=targets, masks=masks, path=path, shape=shape, index=i)
+                    image = image.flip(2 - axis)
+                    boxes[:, [axis, axis + 2]] = out[axis] - boxes[:, [axis + 2, axis]]
+                    for polygon in [p for p in polys if p is not None]:
+                        polygon[:, axis] = out[axis] - polygon[:, axis]
+        else:
+            # the label file's boxes and polygons, exactly letterboxed: normalised -> input pixels
+            to_pixels = np.array(label["shape"][::-1] * 2) * first.r
+            cls = label["cls"]
+            boxes = xywh2xyxy(label["bboxes"] * to_pixels + [*pad, 0, 0])
+            polys = [s * to_pixels[:2] + pad for s in label["segments"]]
+            polys = polys or [None] * len(cls)
+        xywh = xyxy2xywh(boxes) / [width, height, width, height]
+        rows = np.concatenate([np.reshape(cls, (-1, 1)), xywh], 1)
+        masks = None
+        if self.task == "segment":
+            masks = overlap_mask(polys, boxes, (height, width))
+        ratio = float(first.r)
+        return dict(
+            image=image,
+            targets=torch.from_numpy(rows).float(),
+            masks=masks,
+            path=self.im_files[i],
+            shape=(label["shape"], ((ratio, ratio), pad)),
+            index=i,
+        )
 
     def ground_truth(self, i: int) -> dict:
         """Labels of image i in ORIGINAL pixels: cls (n,) int64, boxes (n,4) xyxy float32, polygons
         [(k,2) float32] (rectangles of box rows for segment data; [] for detect data)."""
-        lb = self.labels[i]
-        wh = np.array(lb["shape"][::-1], np.float32)
-        rects = list(box_corners(xywh2xyxy(lb["bboxes"]))) if self.task == "segment" else []
-        boxes = xywh2xyxy(torch.from_numpy(lb["bboxes"] * np.tile(wh, 2)))
-        cls, polygons = torch.from_numpy(lb["cls"]), [s * wh for s in lb["segments"] or rects]
-        return dict(cls=cls, boxes=boxes, polygons=polygons)
+        label = self.labels[i]
+        wh = np.array(label["shape"][::-1], np.float32)
+        boxes = xywh2xyxy(torch.from_numpy(label["bboxes"] * np.tile(wh, 2)))
+        polygons = label["segments"]
+        if not polygons and self.task == "segment":
+            polygons = box_corners(xywh2xyxy(label["bboxes"]))
+        polygons = [s * wh for s in polygons]
+        return dict(cls=torch.from_numpy(label["cls"]), boxes=boxes, polygons=polygons)
 
 
 def to_rgb8(image: Image.Image) -> Image.Image:
@@ -249,7 +340,7 @@ def to_rgb8(image: Image.Image) -> Image.Image:
         return image
     if image.mode == "F":
         grey = float_to_uint8(np.asarray(image))
-    elif image.mode == "I" or image.mode.startswith("I;"):
+    elif image.mode.startswith("I"):
         grey = int_to_uint8(np.asarray(image))
     else:
         return image.convert("RGB")
@@ -260,9 +351,10 @@ def float_to_uint8(values: np.ndarray) -> np.ndarray:
     """Float pixels -> uint8: x 255 if the finite ones all lie in [0, 1], else clipped to 0..255."""
     finite = values[np.isfinite(values)]
     scale = 1.0
-    if finite.size == 0 or (finite.min() >= 0 and finite.max() <= 1):
+    if ((finite >= 0) & (finite <= 1)).all():
         scale = 255.0
-    scaled = np.nan_to_num(values.astype(np.float64) * scale, nan=0.0, posinf=255.0, neginf=0.0)
+    # NaN as 0; infinities as the largest floats, clipped below
+    scaled = np.nan_to_num(values.astype(np.float64) * scale)
     return np.clip(scaled, 0, 255).round().astype(np.uint8)
 
 
@@ -336,18 +428,30 @@ def collate(samples: list[dict]) -> dict:
     """Samples -> batch: images uint8 (bs,3,H,W); targets float32 (N,6) [image, cls, cx, cy, w, h]
     (classify: int64 (bs,2)); masks float32 (bs,H/4,W/4) or None; shapes; indices (bs,)."""
     images = torch.stack([s["image"] for s in samples])
-    targets = torch.cat([F.pad(s["targets"], (1, 0), value=k) for k, s in enumerate(samples)])
-    masks = [s["masks"] for s in samples]
-    masks = None if masks[0] is None else torch.stack(masks).float()
+    # each target row led by its image's index in the batch
+    rows = [F.pad(s["targets"], (1, 0), value=k) for k, s in enumerate(samples)]
+    masks = None
+    if samples[0]["masks"] is not None:
+        masks = torch.stack([s["masks"] for s in samples]).float()
     indices = torch.tensor([s["index"] for s in samples], dtype=torch.int64)
-    shapes = [s["shape"] for s in samples]
-    return dict(images=images, targets=targets, masks=masks, indices=indices, shapes=shapes)
+    return dict(
+        images=images,
+        targets=torch.cat(rows),
+        masks=masks,
+        indices=indices,
+        shapes=[s["shape"] for s in samples],
+    )
 
 
-def shard_batches(n: int, batch_size: int, rank: int = 0, world_size: int = 1) -> list[list[int]]:
+def shard_batches(
+    n: int,
+    batch_size: int,
+    rank: int = 0,
+    world_size: int = 1,
+) -> list[list[int]]:
     """This rank's validation batches: consecutive batches dealt round-robin, none padded."""
     starts = range(rank * batch_size, n, world_size * batch_size)
-    return [list(range(s, min(s + batch_size, n))) for s in starts]
+    return [list(range(start, min(start + batch_size, n))) for start in starts]
 
 
 class EpochSampler(DistributedSampler):
@@ -365,8 +469,8 @@ def yield_cpu(worker_id: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _exit_quietly)
     # where the cores are few, a worker preempting one of the step's OpenMP threads stalls them
-    # all; at nice 19 workers fill the step's idle moments
-    if hasattr(os, "nice"):  # not on Windows
+    # all; at nice 19 workers fill the step's idle moments; Windows has no nice
+    if hasattr(os, "nice"):
         os.nice(19)
 
 
@@ -388,10 +492,18 @@ def build_dataloader(
 ) -> tuple:
     """-> (DataLoader, sampler): shuffle: a seeded EpochSampler (call set_epoch), else batches.
     drop_single: a shuffled epoch's last batch is dropped if it would hold a single image."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    # the cores this process may run on, where the system says (Linux)
+    cpus = os.cpu_count() or 1
+    if hasattr(os, "sched_getaffinity"):
+        cpus = len(os.sched_getaffinity(0))
     workers = min(workers, max(cpus // local_world_size, 1))
-    kw = dict(collate_fn=collate, num_workers=workers, persistent_workers=workers > 0)
-    kw |= dict(worker_init_fn=yield_cpu, pin_memory=torch.cuda.is_available())
+    kw = dict(
+        collate_fn=collate,
+        num_workers=workers,
+        persistent_workers=workers > 0,
+        worker_init_fn=yield_cpu,
+        pin_memory=torch.cuda.is_available(),
+    )
     if shuffle:
         sampler = EpochSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed)
         # only a last batch of one image, and never the only batch: the rest of the recipe stays
@@ -406,5 +518,5 @@ def build_dataloader(
         return loader, sampler
     if dataset.rect and batch_size != dataset.batch_size:
         raise ValueError(f"rect dataset built for batch {dataset.batch_size}, not {batch_size}")
-    sampler = shard_batches(len(dataset), batch_size, rank, world_size)
+    sampler = shard_batches(len(dataset), batch_size, rank=rank, world_size=world_size)
     return DataLoader(dataset, batch_sampler=sampler, **kw), sampler

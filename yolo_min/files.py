@@ -29,7 +29,8 @@ class FileError(ValueError):
 def read_bytes(path: str | Path, limit: int, what: str = "") -> bytes:
     """The bytes of a regular file of at most limit bytes; else FileError naming `what path`."""
     name = f"{what} {path}".strip()
-    # O_NONBLOCK: opening a FIFO returns at once instead of waiting for a writer
+    # O_NONBLOCK: opening a FIFO returns at once instead of waiting for a writer; Windows has
+    # neither flag
     flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
         fd = os.open(path, flags)
@@ -89,6 +90,7 @@ def read_yaml(path: str | Path, what: str = ""):
         return yaml.load(text, Loader=_Loader)
     except (yaml.YAMLError, ValueError, RecursionError) as e:
         # ValueError: an integer of over 4300 digits; RecursionError: brackets nested too deep
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        lines = str(e).strip().splitlines()
+        first = lines[0] if lines else type(e).__name__
         name = f"{what} {path}".strip()
         raise FileError(f"{name}: not valid YAML ({first[:200]})") from None

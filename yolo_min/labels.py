@@ -9,6 +9,7 @@ import os
 import stat
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -19,10 +20,15 @@ from .ops import box_corners, xywh2xyxy, xyxy2xywh
 
 IMG_FORMATS = ("bmp", "jpeg", "jpg", "png", "tif", "tiff", "webp")
 CACHE_VERSION = "yolo_min-labels-3"
-MAX_WARNINGS = 100  # printed per dataset; all are counted
-MAX_LABEL_BYTES = 10_000_000  # a label file (a COCO image's: under 10 KB; 1000 polygons: ~5 MB)
-MAX_LIST_BYTES = 200_000_000  # a .txt image list (COCO train2017's: 5 MB)
-SLACK, TOL = 1e-3, 0.05  # coordinates this far outside [0,1]: clipped silently / with a warning
+# printed per dataset; all are counted
+MAX_WARNINGS = 100
+# a label file (a COCO image's: under 10 KB; 1000 polygons: ~5 MB)
+MAX_LABEL_BYTES = 10_000_000
+# a .txt image list (COCO train2017's: 5 MB)
+MAX_LIST_BYTES = 200_000_000
+# coordinates this far outside [0, 1] are clipped silently; up to TOL, with a warning
+SLACK = 1e-3
+TOL = 0.05
 FOUND, MISSING, EMPTY, CORRUPT = range(4)
 OPEN_ERRORS = {
     FileNotFoundError: "image not found",
@@ -39,6 +45,28 @@ class DataError(ValueError):
     """A dataset problem that stops the run: the message is one actionable line."""
 
 
+class Parsed(NamedTuple):
+    """A label file's valid rows [(cls, [cx, cy, w, h], polygon (k, 2))], its warnings, and how
+    many rows were dropped and how many clipped into [0, 1]."""
+
+    rows: list
+    msgs: list
+    dropped: int
+    fixed: int
+
+
+class Verified(NamedTuple):
+    """One image/label pair: FOUND, MISSING, EMPTY or CORRUPT; the image's (h, w) as shown (0, 0 if
+    corrupt); its label rows, warnings, rows dropped and rows clipped (as Parsed)."""
+
+    status: int
+    shape: tuple
+    rows: list
+    msgs: list
+    dropped: int = 0
+    fixed: int = 0
+
+
 def thread_map(fn, *iterables) -> list:
     """list(map(fn, *iterables)) on up to 8 threads: PIL decodes without holding the GIL."""
     with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
@@ -47,14 +75,19 @@ def thread_map(fn, *iterables) -> list:
 
 def img2label_path(f: str) -> str:
     """Last /images/ -> /labels/, extension -> .txt."""
-    head, sep, tail = f.rpartition(f"{os.sep}images{os.sep}")
-    return os.path.splitext(f"{head}{os.sep}labels{os.sep}{tail}" if sep else f)[0] + ".txt"
+    head, images, tail = f.rpartition(f"{os.sep}images{os.sep}")
+    if images:
+        f = f"{head}{os.sep}labels{os.sep}{tail}"
+    return os.path.splitext(f)[0] + ".txt"
 
 
 def list_images(sources, prefix: str = "", verbose: bool = True) -> list[str]:
     """Image files in sources: folders (recursive), .txt lists (relative to their folder), files."""
-    files, skipped, walk = [], [], Walk()
-    sources = [sources] if isinstance(sources, (str, Path)) else sources
+    files = []
+    skipped = []
+    walk = Walk()
+    if isinstance(sources, (str, Path)):
+        sources = [sources]
     for src in map(Path, sources):
         if not src.exists():
             raise DataError(f"{prefix}{src} not found")
@@ -65,11 +98,15 @@ def list_images(sources, prefix: str = "", verbose: bool = True) -> list[str]:
                 text = read_text(src, MAX_LIST_BYTES, "image list")
             except FileError as e:
                 raise DataError(f"{prefix}{e}") from None
-            found = [src.parent / s.strip() for s in text.splitlines() if s.strip()]
+            lines = [line.strip() for line in text.splitlines()]
+            found = [src.parent / line for line in lines if line]
         else:
             found = [src]
         for f in found:
-            (files if f.suffix[1:].lower() in IMG_FORMATS else skipped).append(os.path.normpath(f))
+            if f.suffix[1:].lower() in IMG_FORMATS:
+                files.append(os.path.normpath(f))
+            else:
+                skipped.append(os.path.normpath(f))
     if not files:
         raise DataError(f"{prefix}no images found in {', '.join(map(str, sources))}")
     if skipped and verbose:
@@ -87,25 +124,31 @@ class Walk:
 
     def __init__(self):
         self.seen: set[tuple[int, int]] = set()
-        self.claimed: set[tuple[int, int]] = set()  # folders walked only as a root of their own
-        self.repeats = 0  # links to a folder or file met before
-        self.others: list[str] = []  # FIFOs, devices, sockets, broken links
+        # folders walked only as a root of their own
+        self.claimed: set[tuple[int, int]] = set()
+        # links to a folder or file met before
+        self.repeats = 0
+        # FIFOs, devices, sockets, broken links
+        self.others: list[str] = []
 
     def claim(self, folders) -> None:
         """Count folders as met (a link to one is not followed), but walk each given as a root:
         ImageFolder's split and class folders, so that no link moves a file to another class."""
         for folder in folders:
             st = os.stat(folder)
-            self.seen.add((st.st_dev, st.st_ino))
-            self.claimed.add((st.st_dev, st.st_ino))
+            key = (st.st_dev, st.st_ino)
+            self.seen.add(key)
+            self.claimed.add(key)
 
     def files(self, root: str | Path) -> list[str]:
         """The regular files under root not met before, sorted as paths."""
         st = os.stat(root)
-        if (key := (st.st_dev, st.st_ino)) in self.claimed:
+        key = (st.st_dev, st.st_ino)
+        if key in self.claimed:
             self.claimed.discard(key)
             self.seen.discard(key)
-        found, todo = [], [str(root)]
+        found = []
+        todo = [str(root)]
         while todo:
             folder = todo.pop()
             if not self._first(os.stat(folder)):
@@ -114,7 +157,8 @@ class Walk:
                 with os.scandir(folder) as it:
                     # by name: which of two paths to a file is kept does not depend on the disk
                     entries = sorted(it, key=lambda e: e.name)
-            except OSError:  # an unreadable folder
+            except OSError:
+                # an unreadable folder
                 self.others.append(folder)
                 continue
             folders = []
@@ -124,7 +168,8 @@ class Walk:
                     folders.append(entry.path)
                 elif kind == "file":
                     found.append(entry.path)
-            todo += reversed(folders)  # the first by name is walked next
+            # the first by name is walked next
+            todo += reversed(folders)
         return [str(f) for f in sorted(map(Path, found))]
 
     def _first(self, st: os.stat_result) -> bool:
@@ -139,7 +184,8 @@ class Walk:
     def _kind(self, entry: os.DirEntry) -> str | None:
         """The entry's kind: "folder", "file" (regular, met for the first time) or None."""
         try:
-            st = entry.stat()  # through links
+            # through links
+            st = entry.stat()
         except OSError:
             self.others.append(entry.path)
             return None
@@ -160,137 +206,207 @@ class Walk:
             print(f"WARNING {prefix}{len(self.others)} {why}, e.g. {self.others[0]}", flush=True)
 
 
-def parse_labels(text: str, where: str, nc: int | None = None) -> tuple[list, list, int, int]:
-    """Label file text -> (rows [(cls, [cx, cy, w, h], polygon (k,2))], msgs, dropped, fixed). Row:
-    `cls cx cy w h` or `cls x1 y1 x2 y2 x3 y3 ...` (a polygon, its box its extent) in [0, 1]. A file
-    with both has its box rows made rectangles: all rows or none have a polygon (else k = 0)."""
-    rows, seen, msgs, dropped, fixed = [], {}, [], 0, 0
-    for ln, line in enumerate(text.splitlines(), 1):
-        if not (parts := line.split()):
+def row_problem(line, values, nc):
+    """Why a label row (its text; its numbers, None if one is not a number) is neither a box
+    `cls cx cy w h` nor a polygon `cls x1 y1 x2 y2 x3 y3 ...` of a class in [0, nc); None if ok."""
+    parts = line.split()
+    n = len(parts)
+    if n < 5:
+        return f"{n} values; a row is 'cls cx cy w h' or 'cls x1 y1 x2 y2 x3 y3 ...'"
+    if n > 5 and n % 2 == 0:
+        return f"polygon with an odd number of coordinates ({n - 1})"
+    if values is None:
+        return f"non-numeric value in '{line.strip()[:50]}'"
+    if not np.isfinite(values).all():
+        return "NaN or inf value"
+    cls = values[0]
+    if cls != int(cls) or cls < 0 or (nc is not None and cls >= nc):
+        limit = nc if nc is not None else "nc"
+        return f"class {parts[0]} is not an integer in [0, {limit})"
+    if n == 5 and (values[3] <= 0 or values[4] <= 0):
+        return "box with zero or negative width/height"
+    points = values[1:].reshape(-1, 2)
+    if n > 5 and len(np.unique(points, axis=0)) < 3:
+        return "polygon with fewer than 3 distinct points"
+    return None
+
+
+def parse_labels(text: str, where: str, nc: int | None = None) -> Parsed:
+    """Label file text -> Parsed: rows [(cls, [cx, cy, w, h], polygon (k,2))], msgs, dropped,
+    fixed. Row: `cls cx cy w h` or `cls x1 y1 x2 y2 x3 y3 ...` (a polygon, its box its extent) in
+    [0, 1]. A file with both has its box rows made rectangles: all rows or none have a polygon (else
+    k = 0)."""
+    rows = []
+    # the values of each row kept -> its line number
+    seen = {}
+    msgs = []
+    dropped = 0
+    fixed = 0
+    for number, line in enumerate(text.splitlines(), 1):
+        parts = line.split()
+        if not parts:
             continue
-        n, why, v = len(parts), None, None
-        with contextlib.suppress(ValueError):  # v stays None
-            v = np.array([float(x) for x in parts])
-        if n < 5:
-            why = f"{n} values; a row is 'cls cx cy w h' or 'cls x1 y1 x2 y2 x3 y3 ...'"
-        elif n > 5 and n % 2 == 0:
-            why = f"polygon with an odd number of coordinates ({n - 1})"
-        elif v is None:
-            why = f"non-numeric value in '{line.strip()[:50]}'"
-        elif not np.isfinite(v).all():
-            why = "NaN or inf value"
-        elif v[0] != int(v[0]) or v[0] < 0 or (nc is not None and v[0] >= nc):
-            why = f"class {parts[0]} is not an integer in [0, {nc if nc is not None else 'nc'})"
-        elif n == 5 and (v[3] <= 0 or v[4] <= 0):
-            why = "box with zero or negative width/height"
-        elif n > 5 and len(np.unique(v[1:].reshape(-1, 2), axis=0)) < 3:
-            why = "polygon with fewer than 3 distinct points"
-        elif tuple(v) in seen:
-            why = f"duplicate of line {seen[tuple(v)]}"
-        else:
-            pts = v[1:].reshape(-1, 2) if n > 5 else v[1:3] + np.array([[-0.5], [0.5]]) * v[3:5]
-            lo, hi = pts.min(), pts.max()
-            if lo < -TOL or hi > 1 + TOL:
-                why = f"coordinates outside [0, 1] (min {lo:.4g}, max {hi:.4g})"
-            elif lo < -SLACK or hi > 1 + SLACK:
+        polygon = len(parts) > 5
+        values = None
+        # a value that is not a number leaves values None
+        with contextlib.suppress(ValueError):
+            values = np.array([float(x) for x in parts])
+        why = row_problem(line, values, nc)
+        if why is None and tuple(values) in seen:
+            why = f"duplicate of line {seen[tuple(values)]}"
+        if why is None:
+            # a polygon's points, or a box's top-left and bottom-right corners
+            points = values[1:].reshape(-1, 2)
+            if not polygon:
+                points = values[1:3] + np.array([[-0.5], [0.5]]) * values[3:5]
+            low = points.min()
+            high = points.max()
+            if low < -TOL or high > 1 + TOL:
+                why = f"coordinates outside [0, 1] (min {low:.4g}, max {high:.4g})"
+            elif low < -SLACK or high > 1 + SLACK:
                 fixed += 1
-                msgs.append(f"{where}:{ln}: coordinates slightly outside [0, 1] clipped")
-            pts = np.clip(pts, 0, 1)
-            box = xyxy2xywh(np.concatenate([pts.min(0), pts.max(0)]))  # cx, cy, w, h
+                msgs.append(f"{where}:{number}: coordinates slightly outside [0, 1] clipped")
+            points = np.clip(points, 0, 1)
+            # cx, cy, w, h
+            box = xyxy2xywh(np.concatenate([points.min(0), points.max(0)]))
             if not why and (box[2] <= 0 or box[3] <= 0):
                 why = "zero width or height after clipping to [0, 1]"
         if why:
             dropped += 1
-            msgs.append(f"{where}:{ln}: {why}; row dropped")
+            msgs.append(f"{where}:{number}: {why}; row dropped")
             continue
-        seen[tuple(v)] = ln
-        rows.append((int(v[0]), box, pts if n > 5 else np.zeros((0, 2))))
-    if len({len(p) > 0 for _, _, p in rows}) == 2:
+        seen[tuple(values)] = number
+        if not polygon:
+            points = np.zeros((0, 2))
+        rows.append((int(values[0]), box, points))
+    if len({len(points) > 0 for _, _, points in rows}) == 2:
         msgs.append(f"{where}: mixes box rows and polygon rows; boxes are used as rectangles")
-        rows = [(c, b, p if len(p) else box_corners(xywh2xyxy(np.array(b)))) for c, b, p in rows]
-    return rows, msgs, dropped, fixed
+        for k, (cls, box, points) in enumerate(rows):
+            if not len(points):
+                rows[k] = (cls, box, box_corners(xywh2xyxy(box)))
+    return Parsed(rows=rows, msgs=msgs, dropped=dropped, fixed=fixed)
 
 
-def verify(im_file: str, lb_file: str, nc: int | None = None) -> tuple:
-    """One image/label pair -> (status, (h, w), rows, msgs, dropped, fixed). Never raises."""
+def verify(im_file: str, lb_file: str, nc: int | None = None) -> Verified:
+    """One image/label pair -> Verified (status, (h, w), rows, msgs, dropped, fixed); never
+    raises."""
 
     def bad(why):
-        return CORRUPT, (0, 0), [], [f"{im_file}: {why}; image skipped"], 0, 0
+        msg = f"{im_file}: {why}; image skipped"
+        return Verified(status=CORRUPT, shape=(0, 0), rows=[], msgs=[msg])
 
     try:
         st = os.stat(im_file)
-        if not stat.S_ISREG(st.st_mode):  # a FIFO would block, a device never end
+        # a FIFO would block, a device never end
+        if not stat.S_ISREG(st.st_mode):
             return bad("not a regular file (a FIFO, device or socket)")
         if st.st_size == 0:
             return bad("empty (0-byte) file")
         with Image.open(im_file) as im:
-            (w, h), fmt = im.size, im.format
-            if w * h > Image.MAX_IMAGE_PIXELS:  # PIL only warns below twice as many: GBs to decode
+            w, h = im.size
+            fmt = im.format
+            # PIL only warns below twice as many: GBs to decode
+            if w * h > Image.MAX_IMAGE_PIXELS:
                 return bad(f"{w}x{h} pixels, more than PIL's limit of {Image.MAX_IMAGE_PIXELS:,}")
-            if im.getexif().get(0x0112, 1) in (5, 6, 7, 8):  # EXIF rotation by 90 degrees
+            # 0x0112: the EXIF orientation; 5 to 8 turn the image by 90 degrees
+            if im.getexif().get(0x0112, 1) in (5, 6, 7, 8):
                 w, h = h, w
-            im.draft("RGB", (1, 1))  # JPEG: the whole stream is still decoded, at 1/8 scale
-            im.load() if im.mode == "RGB" else im.convert("RGB")
-    except Exception as e:  # missing, unreadable, not an image, truncated, decompression bomb, ...
+            # JPEG: the whole stream is still decoded, at 1/8 scale
+            im.draft("RGB", (1, 1))
+            if im.mode == "RGB":
+                im.load()
+            else:
+                im.convert("RGB")
+    except Exception as e:
+        # missing, unreadable, not an image, truncated, decompression bomb, ...
         return bad(OPEN_ERRORS.get(type(e), f"corrupt image ({type(e).__name__}: {e})"))
     if min(w, h) < 10:
         return bad(f"image too small ({w}x{h} px, need at least 10)")
     ext = os.path.splitext(im_file)[1][1:].lower()
-    ok = fmt in PIL_FORMATS.get(ext, ext.upper()).split()
-    msgs = [] if ok else [f"{im_file}: {fmt} data with a .{ext} extension; used as is"]
+    msgs = []
+    if fmt not in PIL_FORMATS.get(ext, ext.upper()).split():
+        msgs.append(f"{im_file}: {fmt} data with a .{ext} extension; used as is")
     if not os.path.exists(lb_file):
-        return MISSING, (h, w), [], msgs, 0, 0
+        return Verified(status=MISSING, shape=(h, w), rows=[], msgs=msgs)
     try:
         text = read_text(lb_file, MAX_LABEL_BYTES)
     except FileError as e:
-        return bad(f"label file {lb_file} unreadable ({str(e).removeprefix(f'{lb_file}: ')})")
-    rows, m, dropped, fixed = parse_labels(text, lb_file, nc)
-    if dropped and not rows:
-        m.append(f"{im_file}: no valid label rows in {lb_file}; image skipped")
-        return CORRUPT, (h, w), [], msgs + m, dropped, fixed
-    return (FOUND if rows else EMPTY), (h, w), rows, msgs + m, dropped, fixed
+        why = str(e).removeprefix(f"{lb_file}: ")
+        return bad(f"label file {lb_file} unreadable ({why})")
+    parsed = parse_labels(text, lb_file, nc)
+    msgs += parsed.msgs
+    status = FOUND if parsed.rows else EMPTY
+    if parsed.dropped and not parsed.rows:
+        msgs.append(f"{im_file}: no valid label rows in {lb_file}; image skipped")
+        status = CORRUPT
+    return Verified(
+        status=status,
+        shape=(h, w),
+        rows=parsed.rows,
+        msgs=msgs,
+        dropped=parsed.dropped,
+        fixed=parsed.fixed,
+    )
 
 
 def _verify_all(files: list, lb_files: list, nc) -> dict:
     """Verify every pair -> lists per file, flat tensors per row (weights_only-loadable)."""
-    res = thread_map(verify, files, lb_files, [nc] * len(files))
-    status, shapes, file_rows, file_msgs, dropped, fixed = zip(*res)
-    cls, boxes, polys = list(zip(*[row for r in file_rows for row in r])) or [(), (), ()]
-    no_dir = sorted({os.path.dirname(lb) for s, lb in zip(status, lb_files) if s == MISSING})
-    bg = "does not exist: its images are used as background"
-    msgs = [m for ms in file_msgs for m in ms]
-    msgs += [f"labels folder {d} {bg}" for d in no_dir if not os.path.isdir(d)]
-    boxes = torch.from_numpy(np.array(boxes, np.float32).reshape(-1, 4))
-    pts = torch.from_numpy(np.concatenate([*polys, np.zeros((0, 2))]).astype(np.float32))
-    npts = [len(p) for p in polys]
-    per_file = dict(status=list(status), shapes=list(shapes), nrows=[len(r) for r in file_rows])
-    per_row = dict(cls=torch.tensor(cls, dtype=torch.int64), boxes=boxes, npts=npts, pts=pts)
-    return per_file | per_row | dict(msgs=msgs, dropped=sum(dropped), fixed=sum(fixed))
+    results = thread_map(verify, files, lb_files, [nc] * len(files))
+    status = [result.status for result in results]
+    rows = [row for result in results for row in result.rows]
+    polygons = [points for _, _, points in rows]
+    msgs = [msg for result in results for msg in result.msgs]
+    missing = {os.path.dirname(lb) for s, lb in zip(status, lb_files) if s == MISSING}
+    background = "does not exist: its images are used as background"
+    msgs += [f"labels folder {d} {background}" for d in sorted(missing) if not os.path.isdir(d)]
+    boxes = np.array([box for _, box, _ in rows], np.float32).reshape(-1, 4)
+    points = np.concatenate([*polygons, np.zeros((0, 2))]).astype(np.float32)
+    return dict(
+        status=status,
+        shapes=[result.shape for result in results],
+        nrows=[len(result.rows) for result in results],
+        cls=torch.tensor([cls for cls, _, _ in rows], dtype=torch.int64),
+        boxes=torch.from_numpy(boxes),
+        npts=[len(p) for p in polygons],
+        pts=torch.from_numpy(points),
+        msgs=msgs,
+        dropped=sum(result.dropped for result in results),
+        fixed=sum(result.fixed for result in results),
+    )
 
 
 def _load_or_build(files: list, nc, prefix: str, verbose: bool) -> dict:
     """The labels/<split>.cache if its key (version, nc, file stats) matches; else verify, save."""
     lb_files = [img2label_path(f) for f in files]
-    h = hashlib.sha256(f"{CACHE_VERSION}|{nc}".encode())
+    digest = hashlib.sha256(f"{CACHE_VERSION}|{nc}".encode())
     for f in files + lb_files:
-        s = os.stat(f) if os.path.exists(f) else None
-        h.update(f"{f}|{s and (s.st_size, s.st_mtime_ns, s.st_mode)}\n".encode())
-    key, path = h.hexdigest(), Path(os.path.dirname(lb_files[0]) + ".cache")
-    with contextlib.suppress(Exception):  # absent, another format or damaged: verify again
-        if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO would block torch.load
-            raise FileError(f"{path}: not a regular file")
-        data = torch.load(path, weights_only=True)  # tensors, lists, numbers, strings: no code
-        if data["key"] == key:
-            return data
+        # None for a file that is absent
+        state = None
+        if os.path.exists(f):
+            st = os.stat(f)
+            state = (st.st_size, st.st_mtime_ns, st.st_mode)
+        digest.update(f"{f}|{state}\n".encode())
+    key = digest.hexdigest()
+    path = Path(os.path.dirname(lb_files[0]) + ".cache")
+    # absent, another format or damaged: verify again
+    with contextlib.suppress(Exception):
+        # a FIFO would block torch.load; weights_only: tensors, lists, numbers, strings, no code
+        if stat.S_ISREG(os.stat(path).st_mode):
+            data = torch.load(path, weights_only=True)
+            if data["key"] == key:
+                return data
     data = dict(_verify_all(files, lb_files, nc), key=key)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # written whole, then renamed
+    # written whole, then renamed
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         # root ignores permission bits; a folder marked read-only is respected
-        if not (os.access(path.parent, os.W_OK) and path.parent.stat().st_mode & 0o222):
+        writable = os.access(path.parent, os.W_OK) and path.parent.stat().st_mode & 0o222
+        if not writable:
             raise PermissionError(f"{path.parent} is not writable")
         torch.save(data, tmp)
         os.replace(tmp, path)
-    except (OSError, RuntimeError) as e:  # RuntimeError: torch's zip writer, e.g. disk full
+    except (OSError, RuntimeError) as e:
+        # RuntimeError: torch's zip writer, e.g. disk full
         tmp.unlink(missing_ok=True)
         if verbose:
             print(f"WARNING {prefix}label cache not saved to {path} ({e}): labels are re-verified")
@@ -300,25 +416,49 @@ def _load_or_build(files: list, nc, prefix: str, verbose: bool) -> dict:
 def load_labels(files: list, nc: int | None = None, prefix: str = "", verbose: bool = True):
     """Verified (cached) labels -> (usable files, label dicts, counts); label dict: cls (n,) int64,
     bboxes (n,4) float32 normalised xywh, segments [(k,2) float32 normalised], shape (h, w)."""
-    d = _load_or_build(files, nc, prefix, verbose)
-    starts = np.cumsum([0, *d["nrows"]])  # file i's rows: starts[i] to starts[i + 1]
-    polys = np.split(d["pts"].numpy(), np.cumsum(d["npts"])[:-1])  # per row; (0, 2) for a box
-    cls, boxes = d["cls"].numpy(), d["boxes"].numpy()
-    keep, labels = [], []
-    for i in np.flatnonzero(np.array(d["status"]) != CORRUPT):
-        a, b = starts[i], starts[i + 1]
-        segs = [p for p in polys[a:b] if len(p)]
+    data = _load_or_build(files, nc, prefix=prefix, verbose=verbose)
+    # file i's rows: starts[i] to starts[i + 1]
+    starts = np.cumsum([0, *data["nrows"]])
+    # per row; (0, 2) for a box
+    polygons = np.split(data["pts"].numpy(), np.cumsum(data["npts"])[:-1])
+    cls = data["cls"].numpy()
+    boxes = data["boxes"].numpy()
+    keep = []
+    labels = []
+    for i in np.flatnonzero(np.array(data["status"]) != CORRUPT):
+        rows = slice(starts[i], starts[i + 1])
         keep.append(files[i])
-        labels.append(dict(cls=cls[a:b], bboxes=boxes[a:b], segments=segs, shape=d["shapes"][i]))
-    msgs, counts = d["msgs"], np.bincount(d["status"], minlength=4).tolist()
-    stats = dict(images=len(files), **dict(zip(("found", "missing", "empty", "corrupt"), counts)))
-    # instances: every row, as corrupt files have none
-    stats.update(instances=len(cls), dropped=d["dropped"], fixed=d["fixed"], warnings=len(msgs))
+        labels.append(
+            dict(
+                cls=cls[rows],
+                bboxes=boxes[rows],
+                segments=[p for p in polygons[rows] if len(p)],
+                shape=data["shapes"][i],
+            )
+        )
+    msgs = data["msgs"]
+    # how many files have each status, in the order of their values
+    found, missing, empty, corrupt = np.bincount(data["status"], minlength=4).tolist()
+    stats = dict(
+        images=len(files),
+        found=found,
+        missing=missing,
+        empty=empty,
+        corrupt=corrupt,
+        # every row, as corrupt files have none
+        instances=len(cls),
+        dropped=data["dropped"],
+        fixed=data["fixed"],
+        warnings=len(msgs),
+    )
     if verbose:
-        more = [f"... and {len(msgs) - MAX_WARNINGS} more"] if len(msgs) > MAX_WARNINGS else []
-        for m in msgs[:MAX_WARNINGS] + more:
-            print(f"WARNING {prefix}{m}", flush=True)
+        shown = msgs[:MAX_WARNINGS]
+        if len(msgs) > MAX_WARNINGS:
+            shown.append(f"... and {len(msgs) - MAX_WARNINGS} more")
+        for msg in shown:
+            print(f"WARNING {prefix}{msg}", flush=True)
         print(prefix + SUMMARY.format(**stats), flush=True)
     if not keep:
-        raise DataError(f"{prefix}no usable images: all {len(files)} are corrupt")  # warned above
+        # each corrupt file is warned about above
+        raise DataError(f"{prefix}no usable images: all {len(files)} are corrupt")
     return keep, labels, stats

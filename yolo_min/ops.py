@@ -8,25 +8,36 @@ import torch
 import torch.nn.functional as F
 import torchvision
 
+# an xyxy box's corners [x1, y1], [x2, y1], [x2, y2], [x1, y2]: clockwise from the top-left
+CORNER_INDICES = [0, 1, 2, 1, 2, 3, 0, 3]
+
 
 def xywh2xyxy(x: torch.Tensor | np.ndarray) -> torch.Tensor | np.ndarray:
     """(..., 4) [cx, cy, w, h] -> [x1, y1, x2, y2], a tensor or a numpy array like x."""
-    xy, wh = x[..., :2], x[..., 2:4] / 2
-    return (torch.cat if isinstance(x, torch.Tensor) else np.concatenate)((xy - wh, xy + wh), -1)
+    centre = x[..., :2]
+    half_size = x[..., 2:4] / 2
+    concat = torch.cat if isinstance(x, torch.Tensor) else np.concatenate
+    return concat((centre - half_size, centre + half_size), -1)
 
 
 def xyxy2xywh(x: torch.Tensor | np.ndarray) -> torch.Tensor | np.ndarray:
     """(..., 4) [x1, y1, x2, y2] -> [cx, cy, w, h], a tensor or a numpy array like x."""
-    xy, wh = (x[..., :2] + x[..., 2:4]) / 2, x[..., 2:4] - x[..., :2]
-    return (torch.cat if isinstance(x, torch.Tensor) else np.concatenate)((xy, wh), -1)
+    top_left = x[..., :2]
+    bottom_right = x[..., 2:4]
+    concat = torch.cat if isinstance(x, torch.Tensor) else np.concatenate
+    centre = (top_left + bottom_right) / 2
+    size = bottom_right - top_left
+    return concat((centre, size), -1)
 
 
 def box_corners(xyxy: np.ndarray) -> np.ndarray:
     """(..., 4) xyxy boxes -> (..., 4, 2) corners [x, y] clockwise from the top-left, dtype kept."""
-    return xyxy[..., [0, 1, 2, 1, 2, 3, 0, 3]].reshape(*xyxy.shape[:-1], 4, 2)
+    corners = xyxy[..., CORNER_INDICES]
+    return corners.reshape(*xyxy.shape[:-1], 4, 2)
 
 
-box_iou = torchvision.ops.box_iou  # xyxy (n, 4), (m, 4) -> (n, m) IoU, COCO's formula (no +1)
+# xyxy (n, 4), (m, 4) -> (n, m) IoU, by COCO's formula (no +1)
+box_iou = torchvision.ops.box_iou
 
 
 def non_max_suppression(
@@ -57,128 +68,208 @@ def non_max_suppression(
     return out
 
 
-def scale_boxes(boxes: torch.Tensor, ratio_pad, orig_hw: tuple[int, int]) -> torch.Tensor:
+def scale_boxes(boxes: torch.Tensor, ratio_pad, orig_hw) -> torch.Tensor:
     """xyxy (n, 4) in letterboxed input pixels -> xyxy original pixels, clipped to the image."""
-    (rh, rw), (pw, ph) = ratio_pad
-    x = ((boxes[:, 0:4:2] - pw) / rw).clamp(0, orig_hw[1])
-    y = ((boxes[:, 1:4:2] - ph) / rh).clamp(0, orig_hw[0])
+    (ratio_h, ratio_w), (pad_w, pad_h) = ratio_pad
+    orig_h, orig_w = orig_hw
+    # x1, x2 and y1, y2
+    x = ((boxes[:, ::2] - pad_w) / ratio_w).clamp(0, orig_w)
+    y = ((boxes[:, 1::2] - pad_h) / ratio_h).clamp(0, orig_h)
     return torch.stack((x, y), 2).flatten(1)
 
 
-def process_mask(protos, coefs, boxes, input_hw: tuple[int, int]) -> torch.Tensor:
+def process_mask(protos, coefs, boxes, input_hw) -> torch.Tensor:
     """protos (nm, h, w), coefs (n, nm), boxes (n, 4) xyxy input pixels -> (n, H, W) bool masks."""
     # yolov5's process_mask(upsample=True): sigmoid(coefs @ protos), cropped, upsampled, > 0.5
     nm, h, w = protos.shape
-    m = (coefs.float() @ protos.float().view(nm, -1)).sigmoid().view(-1, 1, h, w)
-    scale = boxes.new_tensor([w / input_hw[1], h / input_hw[0]] * 2)
-    x1, y1, x2, y2 = (boxes[:, :4] * scale)[:, :, None, None, None].unbind(1)  # prototype pixels
-    rows = torch.arange(h, device=m.device, dtype=boxes.dtype)[:, None]
-    cols = torch.arange(w, device=m.device, dtype=boxes.dtype)
-    m = m * ((rows >= y1) & (rows < y2) & (cols >= x1) & (cols < x2))
-    return F.interpolate(m, size=input_hw, mode="bilinear", align_corners=False)[:, 0] > 0.5
+    logits = coefs.float() @ protos.float().view(nm, -1)
+    masks = logits.sigmoid().view(-1, 1, h, w)
+    input_h, input_w = input_hw
+    scale = boxes.new_tensor([w / input_w, h / input_h] * 2)
+    # the boxes in prototype pixels, each coordinate (n, 1, 1, 1)
+    corners = (boxes * scale)[:, :, None, None, None]
+    x1, y1, x2, y2 = corners.unbind(1)
+    rows = torch.arange(h, device=masks.device, dtype=boxes.dtype)[:, None]
+    cols = torch.arange(w, device=masks.device, dtype=boxes.dtype)
+    in_rows = (rows >= y1) & (rows < y2)
+    in_cols = (cols >= x1) & (cols < x2)
+    masks = masks * in_rows * in_cols
+    upsampled = F.interpolate(masks, size=input_hw, mode="bilinear", align_corners=False)
+    return upsampled[:, 0] > 0.5
 
 
-def scale_masks(masks: torch.Tensor, ratio_pad, orig_hw: tuple[int, int]) -> torch.Tensor:
+def scale_masks(masks: torch.Tensor, ratio_pad, orig_hw) -> torch.Tensor:
     """(n, H, W) bool masks on the input -> (n, h, w) on the original: padding cut, nearest."""
-    (rh, rw), (pw, ph) = ratio_pad
+    (ratio_h, ratio_w), (pad_w, pad_h) = ratio_pad
+    orig_h, orig_w = orig_hw
     # the image on the input: rows x cols pixels, at least one each (a 5000 x 1 image: 640 x 1)
-    rows = max(round(orig_hw[0] * rh), 1)
-    cols = max(round(orig_hw[1] * rw), 1)
-    # where letterbox put it: round((H - rows) / 2 - 0.1); ph is (H - h * r) / 2 or that row
-    top = round(ph + (orig_hw[0] * rh - rows) / 2 - 0.1)
-    left = round(pw + (orig_hw[1] * rw - cols) / 2 - 0.1)
-    m = masks[:, top : top + rows, left : left + cols]
-    if m.shape[1:] != tuple(orig_hw):
-        m = F.interpolate(m[:, None].byte(), size=orig_hw, mode="nearest-exact")[:, 0].bool()
-    return m
+    rows = max(round(orig_h * ratio_h), 1)
+    cols = max(round(orig_w * ratio_w), 1)
+    # where letterbox put it: round((H - rows) / 2 - 0.1); pad_h is (H - h * r) / 2 or that row
+    top = round(pad_h + (orig_h * ratio_h - rows) / 2 - 0.1)
+    left = round(pad_w + (orig_w * ratio_w - cols) / 2 - 0.1)
+    masks = masks[:, top : top + rows, left : left + cols]
+    if masks.shape[1:] == tuple(orig_hw):
+        return masks
+    resized = F.interpolate(masks[:, None].byte(), size=orig_hw, mode="nearest-exact")
+    return resized[:, 0].bool()
 
 
-def polygons_to_masks(polygons: list, hw: tuple[int, int]) -> torch.Tensor:
+def polygons_to_masks(polygons, hw) -> torch.Tensor:
     """Polygons (each (k, 2) [x, y] pixels) -> (m, h, w) bool masks, exactly as pycocotools."""
     # pycocotools' way: edges walked in 1/5-pixel steps toggle the pixels below them per column
     # (PIL's polygon fill differs on ~1% of the pixels)
     h, w = hw
     out = np.zeros((len(polygons), h, w), dtype=bool)
-    for i, poly in enumerate(polygons):
-        p = np.trunc(np.asarray(poly, dtype=np.float64).reshape(-1, 2) * 5 + 0.5).astype(np.int64)
-        if len(p) < 3:
+    for i, polygon in enumerate(polygons):
+        points = np.asarray(polygon, dtype=np.float64).reshape(-1, 2)
+        points = np.trunc(points * 5 + 0.5).astype(np.int64)
+        if len(points) < 3:
             continue
-        xs, ys, xe, ye = p[:, 0], p[:, 1], np.roll(p[:, 0], -1), np.roll(p[:, 1], -1)
-        along_x = np.abs(xe - xs) >= np.abs(ye - ys)
-        flip = np.where(along_x, xs > xe, ys > ye)  # round from the lower end, walk the edge's way
-        x0, y0, x1, y1 = np.where(flip, (xe, ye, xs, ys), (xs, ys, xe, ye))
-        n = np.maximum(np.abs(xe - xs), np.abs(ye - ys))
-        slope = np.where(along_x, y1 - y0, x1 - x0) / np.maximum(n, 1)
-        e = np.repeat(np.arange(len(p)), n + 1)  # edge of each walked point
-        step = np.arange(len(e)) - np.repeat(np.cumsum(n + 1) - n - 1, n + 1)
-        t = np.where(flip[e], n[e] - step, step)
-        minor = np.trunc(np.where(along_x, y0, x0)[e] + slope[e] * t + 0.5).astype(np.int64)
-        u, v = np.where(along_x[e], x0[e] + t, minor), np.where(along_x[e], minor, y0[e] + t)
-        j = np.flatnonzero(u[1:] != u[:-1]) + 1  # the walk crosses a column boundary
-        col = (np.where(u[j] < u[j - 1], u[j], u[j] - 1) + 0.5) / 5 - 0.5
-        row = np.ceil(np.clip((np.minimum(v[j], v[j - 1]) + 0.5) / 5 - 0.5, 0, h))
-        keep = (np.floor(col) == col) & (col >= 0) & (col <= w - 1)
-        if keep.any():  # toggles in column-major order, parity fills; columns lo..hi only
-            col, row = col[keep].astype(np.int64), row[keep].astype(np.int64)
-            lo, hi = col.min(), col.max() + 1
-            # row h: below the image; its toggles are dropped
-            toggles = np.bincount((col - lo) * h + row, minlength=(hi - lo) * h + 1)[:-1]
-            out[i, :, lo:hi] = (np.cumsum(toggles) % 2 == 1).reshape(hi - lo, h).T
+        u, v = walk_edges(points)
+        # the walk crosses a column boundary between points j - 1 and j
+        j = np.flatnonzero(u[1:] != u[:-1]) + 1
+        before = u[j - 1]
+        after = u[j]
+        # the column left of the boundary, and the row below the crossing, in pixels
+        left = np.where(after < before, after, after - 1)
+        col = (left + 0.5) / 5 - 0.5
+        top = np.minimum(v[j], v[j - 1])
+        row = np.clip((top + 0.5) / 5 - 0.5, 0, h)
+        row = np.ceil(row)
+        on_pixel = np.floor(col) == col
+        keep = on_pixel & (col >= 0) & (col <= w - 1)
+        if not keep.any():
+            continue
+        # toggles in column-major order, parity fills; columns lo..hi only
+        col = col[keep].astype(np.int64)
+        row = row[keep].astype(np.int64)
+        lo = col.min()
+        hi = col.max() + 1
+        # row h: below the image; its toggles are dropped
+        index = (col - lo) * h + row
+        toggles = np.bincount(index, minlength=(hi - lo) * h + 1)[:-1]
+        filled = np.cumsum(toggles) % 2 == 1
+        out[i, :, lo:hi] = filled.reshape(hi - lo, h).T
     return torch.from_numpy(out)
+
+
+def walk_edges(points: np.ndarray):
+    """A closed polygon's (k, 2) int64 vertices [x, y] in 1/5 pixels -> the x and y of the points
+    pycocotools walks along its edges: one step along each edge's longer axis, the other rounded."""
+    start_x, start_y = points.T
+    end_x, end_y = np.roll(points, -1, axis=0).T
+    length_x = np.abs(end_x - start_x)
+    length_y = np.abs(end_y - start_y)
+    along_x = length_x >= length_y
+    # round from the lower end, walk the edge's way
+    flip = np.where(along_x, start_x > end_x, start_y > end_y)
+    x0 = np.where(flip, end_x, start_x)
+    y0 = np.where(flip, end_y, start_y)
+    x1 = np.where(flip, start_x, end_x)
+    y1 = np.where(flip, start_y, end_y)
+    steps = np.maximum(length_x, length_y)
+    slope = np.where(along_x, y1 - y0, x1 - x0) / np.maximum(steps, 1)
+    # each walked point's edge, and its step from the edge's lower end
+    edge = np.repeat(np.arange(len(points)), steps + 1)
+    first = np.cumsum(steps + 1) - steps - 1
+    step = np.arange(len(edge)) - first[edge]
+    t = np.where(flip[edge], steps[edge] - step, step)
+    minor_start = np.where(along_x, y0, x0)[edge]
+    minor = np.trunc(minor_start + slope[edge] * t + 0.5).astype(np.int64)
+    major = np.where(along_x, x0, y0)[edge] + t
+    u = np.where(along_x[edge], major, minor)
+    v = np.where(along_x[edge], minor, major)
+    return u, v
 
 
 def trace_border(m: np.ndarray, start: int) -> tuple[np.ndarray, np.ndarray]:
     """Moore-neighbour trace of the outer border of the 8-connected component at flat index `start`
     of a zero-framed bool mask -> its pixels (k, 2) [x, y] clockwise, each one's step (0-7)."""
-    flat, w = m.ravel(), m.shape[1]
-    # the 8 neighbours' flat offsets, clockwise from the east: E, SE, S, SW, W, NW, N, NE
-    steps = [1, w + 1, w, w - 1, -1, -w - 1, -w, -w + 1]
-    p, d, path = start, 4, []  # (pixel, its step); the search starts at the west, background
+    flat = m.ravel()
+    w = m.shape[1]
+    # the 8 neighbours' flat offsets, clockwise from the east: E, SE, S, SW, then their opposites
+    # W, NW, N, NE
+    steps = [1, w + 1, w, w - 1]
+    steps += [-offset for offset in steps]
+    # (pixel, its step) along the border; the search starts at the west, background
+    path = []
+    pixel = start
+    direction = 4
     while True:
-        nd = next(((d + k) % 8 for k in range(8) if flat[p + steps[(d + k) % 8]]), None)
-        if nd is None or (path and path[0] == (p, nd)):  # leaving the start again
+        turns = [(direction + k) % 8 for k in range(8)]
+        step = next((turn for turn in turns if flat[pixel + steps[turn]]), None)
+        # an isolated pixel, or leaving the start again
+        if step is None or (path and path[0] == (pixel, step)):
             break
-        path.append((p, nd))
-        p, d = p + steps[nd], (nd + 6 - nd % 2) % 8  # from the last background neighbour seen
+        path.append((pixel, step))
+        pixel = pixel + steps[step]
+        # the next search starts from the last background neighbour seen
+        direction = (step + 6 - step % 2) % 8
     points, dirs = np.array(path or [(start, 0)]).T
     return np.stack([points % w, points // w], 1), dirs
+
+
+def as_bool_array(mask: torch.Tensor | np.ndarray) -> np.ndarray:
+    """A mask, a tensor on any device or an array, as a numpy bool array."""
+    if isinstance(mask, torch.Tensor):
+        mask = mask.cpu()
+    return np.asarray(mask, dtype=bool)
 
 
 def mask_to_polygon(mask: torch.Tensor | np.ndarray) -> np.ndarray:
     """A bool (h, w) mask's outer border with the most corners -> those (k, 2) float32 [x, y], as
     yolov5 uses OpenCV's findContours (RETR_EXTERNAL, CHAIN_APPROX_SIMPLE); (0, 2) if empty."""
-    m = np.pad(np.asarray(mask.cpu() if isinstance(mask, torch.Tensor) else mask, dtype=bool), 1)
+    m = np.pad(as_bool_array(mask), 1)
     best = np.zeros((0, 2), np.float32)
     while m.any():
-        border, dirs = trace_border(m, int(m.argmax()))
-        inside = polygons_to_masks([border + 0.5], m.shape)[0].numpy()  # pixel centres inside
+        # the first pixel left, row by row: on a component's outer border
+        start = int(m.argmax())
+        border, dirs = trace_border(m, start)
+        # the pixels whose centres lie inside the border, and the border's own
+        inside = polygons_to_masks([border + 0.5], m.shape)[0].numpy()
         inside[border[:, 1], border[:, 0]] = True
-        corners = border[(dirs != np.roll(dirs, 1)) | (len(dirs) == 1)]
-        if len(corners) >= len(best):  # ties: the lower one, as OpenCV lists them bottom up
+        # where the border turns; a lone pixel is a corner of its own
+        turns = (dirs != np.roll(dirs, 1)) | (len(dirs) == 1)
+        corners = border[turns]
+        # ties: the lower one, as OpenCV lists them bottom up
+        if len(corners) >= len(best):
             best = (corners - 1).astype(np.float32)
-        m &= ~inside  # the component, its holes and all inside them
+        # the component, its holes and all inside them
+        m &= ~inside
     return best
 
 
 def mask_iou(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """IoU of bool masks a (n, h, w) and b (m, h, w) -> (n, m) float64."""
-    a, b = a.flatten(1).float(), b.flatten(1).float()
-    inter = (a @ b.T).double()  # exact pixel counts up to 2**24 pixels per mask
-    union = a.sum(1).double()[:, None] + b.sum(1).double()[None] - inter
-    return inter / union.clamp(min=1)  # 0 where both are empty
+    a = a.flatten(1).float()
+    b = b.flatten(1).float()
+    # exact pixel counts up to 2**24 pixels per mask
+    inter = (a @ b.T).double()
+    area_a = a.sum(1).double()
+    area_b = b.sum(1).double()
+    union = area_a[:, None] + area_b[None] - inter
+    # 0 where both are empty
+    return inter / union.clamp(min=1)
 
 
 def rle_encode(mask: torch.Tensor | np.ndarray) -> dict:
     """COCO's compressed RLE of one (h, w) bool mask: {"size": [h, w], "counts": str}."""
-    flat = np.asarray(mask.cpu() if isinstance(mask, torch.Tensor) else mask, dtype=bool).T.ravel()
+    flat = as_bool_array(mask).T.ravel()
     # run lengths from the runs' starts; the first run is one of zeros (maybe empty)
-    counts = np.diff(np.r_[0, np.flatnonzero(np.diff(flat, prepend=False)), flat.size]).tolist()
+    starts = np.flatnonzero(np.diff(flat, prepend=False))
+    counts = np.diff(np.r_[0, starts, flat.size]).tolist()
     chars = []
     for i, x in enumerate(counts):
-        x = x - counts[i - 2] if i > 2 else x  # delta against the last run of the same value
+        # a delta against the last run of the same value
+        if i > 2:
+            x = x - counts[i - 2]
+        # 5 bits per char, bit 0x20: more follow, offset 48
         more = True
-        while more:  # 5 bits per char, bit 0x20 = more follow, offset 48
-            c, x = x & 0x1F, x >> 5
-            more = x != -1 if c & 0x10 else x != 0
-            chars.append(chr(c + 0x20 * more + 48))
-    return {"size": [int(n) for n in mask.shape], "counts": "".join(chars)}
+        while more:
+            bits = x & 0x1F
+            x = x >> 5
+            more = x != -1 if bits & 0x10 else x != 0
+            chars.append(chr(bits + 0x20 * more + 48))
+    size = list(mask.shape)
+    return {"size": size, "counts": "".join(chars)}
