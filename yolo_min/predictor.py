@@ -135,8 +135,8 @@ def file_key(path: str):
     """What makes path one real file: its (device, inode), else (missing) its absolute path."""
     try:
         status = os.stat(path)
-    # ValueError: a NUL byte in the path
     except (OSError, ValueError):
+        # missing, or (ValueError) a NUL byte in the path
         return os.path.abspath(path)
     return (status.st_dev, status.st_ino)
 
@@ -244,8 +244,8 @@ def read(item: tuple, imgsz: int, stride: int, classify: bool = False) -> dict:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             image = decode(src)
-    # missing, unreadable, not an image, truncated, too large, ...
     except Exception as e:
+        # missing, unreadable, not an image, truncated, too large, ...
         return dict(index=index, path=path, error=f"unreadable ({one_line(e)})")
     try:
         if classify:
@@ -255,8 +255,8 @@ def read(item: tuple, imgsz: int, stride: int, classify: bool = False) -> dict:
             ratio_pad = None
         else:
             canvas, ratio_pad = letterbox(image, imgsz, stride)
-    # an image of a shape the resizing cannot take
     except Exception as e:
+        # an image of a shape the resizing cannot take
         return dict(index=index, path=path, error=f"resizing failed ({one_line(e)})")
     where = path or f"image {index} of the source"
     notes = [f"{where}: {first_line(warning.message)}" for warning in caught]
@@ -344,8 +344,8 @@ def predict_batches(model, images, nms: dict, imgsz, batch_size, workers, polygo
                     warnings=sample["warnings"],
                 )
                 result |= found
-            # e.g. a mask or polygon of a degenerate image
             except Exception as e:
+                # e.g. a mask or polygon of a degenerate image
                 why = f"post-processing failed ({one_line(e)})"
                 result = dict(index=sample["index"], path=sample["path"], error=why)
             yield result
@@ -555,30 +555,30 @@ def save(result: dict, save_dir: Path, args, stem: str, folders: list[str]) -> N
 
 
 def get_args_parser() -> argparse.ArgumentParser:
-    p = base_parser("Predict boxes (and masks) on images", PREDICT_NMS, "runs/predict")
+    parser = base_parser("Predict boxes (and masks) on images", PREDICT_NMS, "runs/predict")
     source = "image, folder, glob or .txt list of paths (relative ones: to the list's folder)"
-    p.add_argument("--source", required=True, help=source)
-    p.add_argument("--classes", nargs="+", type=int, help="keep only these classes")
-    p.add_argument("--agnostic-nms", action="store_true", help="NMS across classes")
-    p.add_argument("--batch-size", type=int, default=1, help="per rank, >= 1")
+    parser.add_argument("--source", required=True, help=source)
+    parser.add_argument("--classes", nargs="+", type=int, help="keep only these classes")
+    parser.add_argument("--agnostic-nms", action="store_true", help="NMS across classes")
+    parser.add_argument("--batch-size", type=int, default=1, help="per rank, >= 1")
     workers = "image decoding processes per rank, >= 0 (at most the CPUs)"
-    p.add_argument("--workers", type=int, default=0, help=workers)
+    parser.add_argument("--workers", type=int, default=0, help=workers)
     labels = "labels/<image>.txt, yolov5's format (a repeated image name: <image>_2, _3, ...)"
-    p.add_argument("--save-txt", action="store_true", help=labels)
-    p.add_argument("--save-conf", action="store_true", help="confidences in --save-txt labels")
+    parser.add_argument("--save-txt", action="store_true", help=labels)
+    parser.add_argument("--save-conf", action="store_true", help="confidences in --save-txt labels")
     crops = (
         "crops/<class>/<image>_<k>.jpg; <class>: the class name as one safe folder name"
         ' (/ \\ : * ? " < > | and control characters as _, no leading or trailing dots'
         " or spaces; empty: class<index>; _<index> added if two classes would share one)"
     )
-    p.add_argument("--save-crop", action="store_true", help=crops)
-    p.add_argument("--save-json", action="store_true", help="predictions.json for the source")
-    p.add_argument("--nosave", action="store_true", help="no annotated images")
+    parser.add_argument("--save-crop", action="store_true", help=crops)
+    parser.add_argument("--save-json", action="store_true", help="predictions.json for the source")
+    parser.add_argument("--nosave", action="store_true", help="no annotated images")
     width = "box width in pixels, >= 1 (default: by size)"
-    p.add_argument("--line-width", type=int, help=width)
-    p.add_argument("--hide-labels", action="store_true")
-    p.add_argument("--hide-conf", action="store_true")
-    return p
+    parser.add_argument("--line-width", type=int, help=width)
+    parser.add_argument("--hide-labels", action="store_true")
+    parser.add_argument("--hide-conf", action="store_true")
+    return parser
 
 
 def predict_amp(device: torch.device, amp: str) -> torch.dtype | None:
@@ -687,7 +687,7 @@ def predict_share(model, args, info, files, stems, save_dir: Path, amp) -> Share
                 continue
             seen += 1
             detections += len(result.get("boxes", ()))
-            speed = speed + result["speed"]
+            speed += result["speed"]
             if args.save_json:
                 place = info.rank + result["index"] * info.world_size
                 entries.append((place, entry))
@@ -705,7 +705,8 @@ def save_result(result: dict, save_dir: Path, args, stem: str, folders: list) ->
     try:
         entry = json_entry(result) if args.save_json else {}
         save(result, save_dir, args, stem=stem, folders=folders)
-    except Exception as e:  # e.g. a full disk, an image PIL cannot write
+    except Exception as e:
+        # e.g. a full disk, an image PIL cannot write
         print(f"WARNING {result['path']}: saving failed ({one_line(e)}); skipped", flush=True)
         return None
     return entry

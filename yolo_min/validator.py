@@ -62,7 +62,8 @@ def score_image(dataset, index: int, det, shape, input_hw, protos=None, cat_ids=
     if cat_ids:
         stem = Path(dataset.im_files[index]).stem
         image_id = int(stem) if stem.isnumeric() else stem
-        xywh = torch.cat((boxes[:, :2], boxes[:, 2:] - boxes[:, :2]), 1).cpu().tolist()
+        top_left = boxes[:, :2]
+        xywh = torch.cat((top_left, boxes[:, 2:] - top_left), 1).cpu().tolist()
         for box, score, cls in zip(xywh, det[:, 4].tolist(), det[:, 5].tolist()):
             result = {
                 "image_id": image_id,
@@ -78,7 +79,8 @@ def score_image(dataset, index: int, det, shape, input_hw, protos=None, cat_ids=
         grown = boxes + boxes.new_tensor([-pad, -pad, pad, pad])
         near = ops.box_iou(grown, gt_boxes.to(boxes)) > 0
         same = det[:, 5:6].long() == gt["cls"].to(det.device)
-        # a mask far from every object of its class has IoU 0: not worth assembling
+        # a mask overlaps only what its grown box does: the others' IoU stays 0 (the json needs
+        # every mask, though)
         wanted = (near & same).any(1) | (cat_ids is not None)
         iou = torch.zeros(len(det), len(gt_masks), dtype=torch.float64, device=det.device)
         for idx in wanted.nonzero().squeeze(1).split(MASK_CHUNK):
@@ -114,7 +116,7 @@ def evaluate(model, loader, nms=VAL_NMS, plots_dir=None, save_json=None, coco_id
         cat_ids = COCO91_IDS if coco_ids else range(1, model.nc + 1)
     for batch_index, batch in enumerate(loader):
         dets, protos, seconds = infer(model, batch["images"], nms, amp)
-        times = times + seconds
+        times += seconds
         seen += len(dets)
         if classify:
             # top-k and the loss of each image
@@ -248,31 +250,31 @@ def check_options(options: dict) -> None:
 def base_parser(description: str, nms: dict, project: str) -> argparse.ArgumentParser:
     """The options of val.py and predict.py; nms: the defaults of conf_thres, iou_thres, max_det."""
     # No abbreviations: the Python API takes only whole names, and so does the command line.
-    p = argparse.ArgumentParser(description=description, allow_abbrev=False)
-    p.add_argument("--weights", required=True, help="yolo_min checkpoint or yolov5 .pt")
+    parser = argparse.ArgumentParser(description=description, allow_abbrev=False)
+    parser.add_argument("--weights", required=True, help="yolo_min checkpoint or yolov5 .pt")
     size = "long side, 32 to 8192 (rounded up to a multiple of the stride)"
-    p.add_argument("--imgsz", type=int, default=640, help=size)
-    p.add_argument("--conf-thres", type=float, default=nms["conf_thres"], help="0 to 1")
-    p.add_argument("--iou-thres", type=float, default=nms["iou_thres"], help="NMS IoU, 0 to 1")
-    p.add_argument("--max-det", type=int, default=nms["max_det"], help="per image, >= 1")
-    p.add_argument("--device", default="", help="cpu, 0, cuda:1 (default: cuda if available)")
-    p.add_argument("--amp", choices=["auto", "on", "off"], default="auto", help=AMP_HELP)
-    p.add_argument("--project", default=project)
-    p.add_argument("--name", default="exp")
-    p.add_argument("--exist-ok", action="store_true")
-    return p
+    parser.add_argument("--imgsz", type=int, default=640, help=size)
+    parser.add_argument("--conf-thres", type=float, default=nms["conf_thres"], help="0 to 1")
+    parser.add_argument("--iou-thres", type=float, default=nms["iou_thres"], help="NMS IoU, 0 to 1")
+    parser.add_argument("--max-det", type=int, default=nms["max_det"], help="per image, >= 1")
+    parser.add_argument("--device", default="", help="cpu, 0, cuda:1 (default: cuda if available)")
+    parser.add_argument("--amp", choices=["auto", "on", "off"], default="auto", help=AMP_HELP)
+    parser.add_argument("--project", default=project)
+    parser.add_argument("--name", default="exp")
+    parser.add_argument("--exist-ok", action="store_true")
+    return parser
 
 
 def get_args_parser() -> argparse.ArgumentParser:
-    p = base_parser("Validate a checkpoint (COCO-exact mAP)", VAL_NMS, "runs/val")
-    p.add_argument("--data", required=True, help="dataset yaml, or 'shapes'")
-    p.add_argument("--batch-size", type=int, default=32, help="per rank, >= 1")
-    p.add_argument("--workers", type=int, default=4, help=">= 0")
-    p.add_argument("--save-json", action="store_true", help="write predictions.json")
-    p.add_argument("--coco-ids", action="store_true", help="COCO-91 ids in predictions.json")
-    p.add_argument("--plots", action="store_true", help="save label/prediction images")
-    p.add_argument("--verbose", action="store_true", help="per-class table")
-    return p
+    parser = base_parser("Validate a checkpoint (COCO-exact mAP)", VAL_NMS, "runs/val")
+    parser.add_argument("--data", required=True, help="dataset yaml, or 'shapes'")
+    parser.add_argument("--batch-size", type=int, default=32, help="per rank, >= 1")
+    parser.add_argument("--workers", type=int, default=4, help=">= 0")
+    parser.add_argument("--save-json", action="store_true", help="write predictions.json")
+    parser.add_argument("--coco-ids", action="store_true", help="COCO-91 ids in predictions.json")
+    parser.add_argument("--plots", action="store_true", help="save label/prediction images")
+    parser.add_argument("--verbose", action="store_true", help="per-class table")
+    return parser
 
 
 def main(args: argparse.Namespace, model=None) -> dict:
