@@ -126,8 +126,8 @@ def evaluate(model, loader, nms=VAL_NMS, plots_dir=None, save_json=None, coco_id
             records += metrics.class_records(batch["indices"], logits, labels, losses)
             continue
         input_hw = batch["images"].shape[2:]
-        images = zip(batch["indices"].tolist(), dets, batch["shapes"], protos)
-        for index, det, shape, proto in images:
+        per_image = zip(batch["indices"].tolist(), dets, batch["shapes"], protos)
+        for index, det, shape, proto in per_image:
             record = score_image(
                 loader.dataset, index, det, shape, input_hw=input_hw, protos=proto, cat_ids=cat_ids
             )
