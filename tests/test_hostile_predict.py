@@ -329,10 +329,10 @@ def test_failures_after_decoding_are_named_and_skipped(fx, tmp_path, monkeypatch
             raise RuntimeError("a mask the size of nothing")
         return to_original(sample=sample, **kw)
 
-    def drawing(result, *args):
+    def drawing(result, *args, **kwargs):
         if result["path"].endswith("b.png"):
             raise OSError("No space left on device")
-        return draw(result, *args)
+        return draw(result, *args, **kwargs)
 
     monkeypatch.setattr(predictor, "to_original", post_processing)
     monkeypatch.setattr(predictor, "draw", drawing)

@@ -21,7 +21,7 @@ def parse_kwargs(
     value outside the choices. fixed: values the caller sets (not options); only: the options
     taken (default: all)."""
     fixed = fixed or {}
-    actions = {a.dest: a for a in parser._actions if a.dest != "help"}
+    actions = {action.dest: action for action in parser._actions if action.dest != "help"}
     valid = [name for name in only or actions if name not in fixed]
     unknown = [name for name in kwargs if name not in valid]
     if unknown:
@@ -30,10 +30,10 @@ def parse_kwargs(
         names = ", ".join(map(repr, unknown))
         raise TypeError(f"unknown option {names}{hint}; the options are: {', '.join(valid)}")
     given = kwargs | fixed
-    missing = [name for name, a in actions.items() if a.required and name not in given]
+    missing = [name for name, action in actions.items() if action.required and name not in given]
     if missing:
         raise TypeError(f"missing option(s): {', '.join(map(repr, missing))}")
-    values = {name: a.default for name, a in actions.items()}
+    values = {name: action.default for name, action in actions.items()}
     for name, value in given.items():
         values[name] = check_value(actions[name], name, value)
     return argparse.Namespace(**values)
@@ -43,14 +43,20 @@ def check_value(action: argparse.Action, name: str, value):
     """value as the command line would have parsed it for action, else TypeError or ValueError."""
     kind = action.type or str
     if action.nargs == 0:
-        expected, ok = "True or False", isinstance(value, bool)
+        expected = "True or False"
+        ok = isinstance(value, bool)
     elif action.nargs == "?":
         # --resume: True (the newest run), False, or a path
-        expected, ok = "True, False or a path", isinstance(value, (bool, str, os.PathLike))
+        expected = "True, False or a path"
+        ok = isinstance(value, (bool, str, os.PathLike))
     elif action.nargs in ("+", "*"):
         expected = f"a list of {kind.__name__}"
-        ok = isinstance(value, (list, tuple)) and all(is_kind(v, kind) for v in value)
-        ok = ok and (len(value) > 0 or action.nargs == "*")
+        # "+": one value at least
+        ok = (
+            isinstance(value, (list, tuple))
+            and all(is_kind(v, kind) for v in value)
+            and (len(value) > 0 or action.nargs == "*")
+        )
     else:
         expected = kind.__name__
         # None: the default of an option that has none (--imgsz: the task's)

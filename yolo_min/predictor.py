@@ -22,6 +22,7 @@ import time
 import warnings
 from functools import partial
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -38,14 +39,27 @@ from .models import amp_dtype, make_divisible
 from .safe_load import load_model
 from .validator import STAGES, base_parser, check_options, infer, round_imgsz, speed_line
 
-PREDICT_NMS = dict(conf_thres=0.25, iou_thres=0.45, max_det=1000)  # yolov5's detect.py
+# yolov5's detect.py
+PREDICT_NMS = dict(conf_thres=0.25, iou_thres=0.45, max_det=1000)
 # characters that are no part of a safe file name on Linux, macOS or Windows
 UNSAFE_CHARACTERS = re.compile(r'[\x00-\x1f\x7f/\\:*?"<>|]')
-MAX_FOLDER_BYTES = 200  # a crop folder's name, in UTF-8 (file systems allow 255)
+# a crop folder's name, in UTF-8 (file systems allow 255)
+MAX_FOLDER_BYTES = 200
 
 
 class ImageWarning(UserWarning):
     """A warning PIL gave while decoding an image, re-issued with the image named."""
+
+
+class Share(NamedTuple):
+    """One rank's part of a prediction run: the images seen (the others were skipped), their
+    detections, summed speed (ms by STAGES) and --save-json entries as (place in the whole source,
+    entry)."""
+
+    seen: int
+    detections: int
+    speed: np.ndarray
+    entries: list
 
 
 def find_images(source: str) -> list[str]:
@@ -84,7 +98,10 @@ def expand_glob(pattern: str) -> list[str]:
     if "**" not in parts:
         return glob.glob(pattern)
     cut = parts.index("**")
-    rest = os.path.join(*parts[cut + 1 :]) if cut + 1 < len(parts) else "*"
+    below = parts[cut + 1 :]
+    # a trailing `**`: everything in each folder
+    rest = os.path.join(*below) if below else "*"
+    # a leading `**`: the folders of the working directory
     roots = glob.glob(str(Path(*parts[:cut]))) if cut else [""]
     found = []
     for root in roots:
@@ -117,22 +134,20 @@ def walk_once(root: str) -> list[str]:
 def file_key(path: str):
     """What makes path one real file: its (device, inode), else (missing) its absolute path."""
     try:
-        st = os.stat(path)
-    except (OSError, ValueError):  # ValueError: a NUL byte in the path
+        status = os.stat(path)
+    except (OSError, ValueError):
+        # missing, or (ValueError) a NUL byte in the path
         return os.path.abspath(path)
-    return (st.st_dev, st.st_ino)
+    return (status.st_dev, status.st_ino)
 
 
 def unique_files(files: list[str]) -> list[str]:
     """files, each real file (file_key) only where it first appears."""
-    seen = set()
-    unique = []
-    for f in files:
-        key = file_key(f)
-        if key not in seen:
-            seen.add(key)
-            unique.append(f)
-    return unique
+    # each key keeps its first file, in the order first met
+    unique = {}
+    for file in files:
+        unique.setdefault(file_key(file), file)
+    return list(unique.values())
 
 
 def source_images(source) -> list:
@@ -151,28 +166,36 @@ def source_images(source) -> list:
 
 def letterbox(image: torch.Tensor, imgsz: int, stride: int) -> tuple[torch.Tensor, tuple]:
     """uint8 (h, w, 3) -> (uint8 (3, H, W), ratio_pad): long side to imgsz, centred on 114 grey."""
-    (h0, w0), x = image.shape[:2], image.permute(2, 0, 1)
+    h0, w0 = image.shape[:2]
     r = imgsz / max(h0, w0)
     # a side of at least one pixel: a 5000 x 1 image is 640 x 1, not 640 x 0
-    h, w = max(round(h0 * r), 1), max(round(w0 * r), 1)
-    H, W = make_divisible(h, stride), make_divisible(w, stride)  # the canvas, as yolov5's
-    if (h, w) != (h0, w0):  # as OpenCV's INTER_LINEAR: bilinear, no antialiasing
-        x = TF.resize(x, [h, w], antialias=False)  # its default: bilinear
-    top, left = round((H - h) / 2 - 0.1), round((W - w) / 2 - 0.1)
+    h = max(round(h0 * r), 1)
+    w = max(round(w0 * r), 1)
+    # the canvas, as yolov5's: each side rounded up to a multiple of the stride
+    H = make_divisible(h, stride)
+    W = make_divisible(w, stride)
+    x = image.permute(2, 0, 1)
+    if (h, w) != (h0, w0):
+        # as OpenCV's INTER_LINEAR: bilinear (resize's default), no antialiasing
+        x = TF.resize(x, [h, w], antialias=False)
+    top = round((H - h) / 2 - 0.1)
+    left = round((W - w) / 2 - 0.1)
     canvas = TF.pad(x, [left, top, W - w - left, H - h - top], fill=114)
-    return canvas, ((r, r), ((W - w0 * r) / 2, (H - h0 * r) / 2))  # as yolov5's scale_boxes
+    # the padding as yolov5's scale_boxes takes it
+    pad = ((W - w0 * r) / 2, (H - h0 * r) / 2)
+    return canvas, ((r, r), pad)
 
 
 def open_regular(path: str):
     """path opened for reading in binary, if it is a regular file (ValueError if not): a FIFO,
     socket or device is never read, as it could block forever or never end."""
     # without O_NONBLOCK, opening a FIFO waits for a writer, perhaps forever
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    f = os.fdopen(fd, "rb")
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        f.close()
+    descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    file = os.fdopen(descriptor, "rb")
+    if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+        file.close()
         raise ValueError("not a regular file")
-    return f
+    return file
 
 
 def decode(src) -> torch.Tensor:
@@ -181,26 +204,29 @@ def decode(src) -> torch.Tensor:
     if isinstance(src, np.ndarray):
         image = torch.from_numpy(np.array(src))
     elif isinstance(src, Image.Image):
-        image = torch.from_numpy(np.array(to_rgb8(ImageOps.exif_transpose(src))))
+        image = rgb8_tensor(src)
     else:
-        with open_regular(src) as f:
-            opened = Image.open(f)
-            (w, h), limit = opened.size, Image.MAX_IMAGE_PIXELS
+        with open_regular(src) as file:
+            opened = Image.open(file)
+            width, height = opened.size
+            limit = Image.MAX_IMAGE_PIXELS
             # PIL only warns below twice its limit: gigabytes to decode
-            if limit and w * h > limit:
-                raise ValueError(f"{w}x{h} pixels, more than PIL's limit of {limit:,}")
-            image = torch.from_numpy(np.array(to_rgb8(ImageOps.exif_transpose(opened))))
+            if limit and width * height > limit:
+                raise ValueError(f"{width}x{height} pixels, more than PIL's limit of {limit:,}")
+            image = rgb8_tensor(opened)
     if image.dtype != torch.uint8 or image.ndim != 3 or image.shape[2] != 3:
         raise ValueError(f"an array of {image.dtype} {tuple(image.shape)}, not uint8 RGB")
     return image
 
 
+def rgb8_tensor(picture: Image.Image) -> torch.Tensor:
+    """A PIL image -> uint8 (h, w, 3), EXIF-rotated, as to_rgb8 makes it."""
+    return torch.from_numpy(np.array(to_rgb8(ImageOps.exif_transpose(picture))))
+
+
 def first_line(text) -> str:
     """The first line of str(text) ("" if none)."""
-    lines = str(text).splitlines()
-    if not lines:
-        return ""
-    return lines[0]
+    return (str(text).splitlines() or [""])[0]
 
 
 def one_line(e: Exception) -> str:
@@ -212,34 +238,43 @@ def read(item: tuple, imgsz: int, stride: int, classify: bool = False) -> dict:
     """(index, a path, PIL image or uint8 (h, w, 3) RGB array) -> {"index", "path", "image"
     (decode's), "input" (letterboxed; classify: centre square), "ratio_pad", "warnings" (PIL's
     while decoding, each naming the image)} or {"index", "path", "error"}; it never raises."""
-    k, src = item
+    index, src = item
     path = str(src) if isinstance(src, (str, Path)) else None
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             image = decode(src)
-    except Exception as e:  # missing, unreadable, not an image, truncated, too large, ...
-        return dict(index=k, path=path, error=f"unreadable ({one_line(e)})")
+    except Exception as e:
+        # missing, unreadable, not an image, truncated, too large, ...
+        return dict(index=index, path=path, error=f"unreadable ({one_line(e)})")
     try:
-        if classify:  # as ClassifyDataset's validation input
+        if classify:
+            # as ClassifyDataset's validation input, with no boxes to map back
             square = TF.center_crop(image.permute(2, 0, 1), min(image.shape[:2]))
-            canvas, ratio_pad = TF.resize(square, [imgsz] * 2), None
+            canvas = TF.resize(square, [imgsz, imgsz])
+            ratio_pad = None
         else:
             canvas, ratio_pad = letterbox(image, imgsz, stride)
-    except Exception as e:  # an image of a shape the resizing cannot take
-        return dict(index=k, path=path, error=f"resizing failed ({one_line(e)})")
-    where = path or f"image {k} of the source"
-    notes = [f"{where}: {first_line(w.message)}" for w in caught]
-    return dict(index=k, path=path, image=image, input=canvas, ratio_pad=ratio_pad, warnings=notes)
+    except Exception as e:
+        # an image of a shape the resizing cannot take
+        return dict(index=index, path=path, error=f"resizing failed ({one_line(e)})")
+    where = path or f"image {index} of the source"
+    notes = [f"{where}: {first_line(warning.message)}" for warning in caught]
+    return dict(
+        index=index, path=path, image=image, input=canvas, ratio_pad=ratio_pad, warnings=notes
+    )
 
 
 def by_shape(samples, batch_size: int):
     """Lists of up to batch_size samples of one input shape, each once full; errors alone."""
     pending = {}
-    for s in samples:
-        shape = tuple(s["input"].shape) if "input" in s else None
-        pending.setdefault(shape, []).append(s)
-        if len(pending[shape]) == batch_size or shape is None:
+    for sample in samples:
+        if "error" in sample:
+            yield [sample]
+            continue
+        shape = tuple(sample["input"].shape)
+        pending.setdefault(shape, []).append(sample)
+        if len(pending[shape]) == batch_size:
             yield pending.pop(shape)
     yield from pending.values()
 
@@ -254,8 +289,16 @@ def stream(model, images, imgsz=640, batch_size=1, workers=0, polygons=False, am
     was_training = model.training
     model.eval()
     try:
-        settings = dict(imgsz=imgsz, batch_size=batch_size, workers=workers, amp=amp)
-        yield from predict_batches(model, images, nms, polygons=polygons, **settings)
+        yield from predict_batches(
+            model,
+            images,
+            nms=PREDICT_NMS | nms,
+            imgsz=imgsz,
+            batch_size=batch_size,
+            workers=workers,
+            polygons=polygons,
+            amp=amp,
+        )
     finally:
         model.train(was_training)
 
@@ -263,9 +306,11 @@ def stream(model, images, imgsz=640, batch_size=1, workers=0, polygons=False, am
 @torch.no_grad()
 def predict_batches(model, images, nms: dict, imgsz, batch_size, workers, polygons, amp):
     """stream's results, from an eval-mode model."""
-    stride, classify = int(model.stride.max()), model.task == "classify"
+    stride = int(model.stride.max())
+    classify = model.task == "classify"
     load = partial(read, imgsz=make_divisible(imgsz, stride), stride=stride, classify=classify)
-    items = list(enumerate(images))  # collate_fn: each item is decoded in the workers
+    # collate_fn: each item is decoded in the workers
+    items = list(enumerate(images))
     # no more processes than there are CPUs or images (as training's loaders)
     workers = min(workers, os.cpu_count() or 1, len(items))
     loader = DataLoader(items, batch_size=None, num_workers=workers, collate_fn=load)
@@ -273,43 +318,55 @@ def predict_batches(model, images, nms: dict, imgsz, batch_size, workers, polygo
         if "error" in group[0]:
             yield group[0]
             continue
-        x = torch.stack([s["input"] for s in group])
-        dets, protos, seconds = infer(model, x, PREDICT_NMS | nms, amp)
-        dets = dets.softmax(1).cpu() if classify else dets
-        speed = seconds * 1000 / len(group)
-        for s, det, proto in zip(group, dets, protos):
-            for note in s["warnings"]:
-                warnings.warn(note, ImageWarning, stacklevel=2)
-            found = dict(det=det, protos=proto, input_hw=x.shape[2:], polygons=polygons)
-            yield finish(s, names=model.names, speed=speed, classify=classify, found=found)
-
-
-def finish(sample: dict, names, speed, classify: bool, found: dict) -> dict:
-    """A sample's result from its logits or detections (found: to_original's arguments but the
-    sample); an "error" result if that fails."""
-    try:
+        inputs = torch.stack([sample["input"] for sample in group])
+        dets, protos, seconds = infer(model, inputs, nms, amp)
         if classify:
-            out = dict(probs=found["det"])
-        else:
-            out = to_original(sample=sample, **found)
-    except Exception as e:  # e.g. a mask or polygon of a degenerate image
-        why = f"post-processing failed ({one_line(e)})"
-        return dict(index=sample["index"], path=sample["path"], error=why)
-    res = dict(index=sample["index"], path=sample["path"], image=sample["image"], names=names)
-    return res | dict(speed=speed, warnings=sample["warnings"]) | out
+            # each image's class probabilities
+            dets = dets.softmax(1).cpu()
+        input_hw = inputs.shape[2:]
+        speed = seconds * 1000 / len(group)
+        for sample, det, proto in zip(group, dets, protos):
+            for note in sample["warnings"]:
+                warnings.warn(note, ImageWarning, stacklevel=2)
+            try:
+                if classify:
+                    found = dict(probs=det)
+                else:
+                    found = to_original(
+                        det=det, protos=proto, sample=sample, input_hw=input_hw, polygons=polygons
+                    )
+                result = dict(
+                    index=sample["index"],
+                    path=sample["path"],
+                    image=sample["image"],
+                    names=model.names,
+                    speed=speed,
+                    warnings=sample["warnings"],
+                )
+                result |= found
+            except Exception as e:
+                # e.g. a mask or polygon of a degenerate image
+                why = f"post-processing failed ({one_line(e)})"
+                result = dict(index=sample["index"], path=sample["path"], error=why)
+            yield result
 
 
 def to_original(det, protos, sample: dict, input_hw, polygons: bool) -> dict:
     """Detections (n, 6+nm) on the input, prototypes or None -> stream's boxes, masks, polygons."""
-    (h, w), ratio_pad = sample["image"].shape[:2], sample["ratio_pad"]
-    boxes = ops.scale_boxes(det[:, :4], ratio_pad, (h, w)).round()  # whole pixels, as yolov5
+    h, w = sample["image"].shape[:2]
+    ratio_pad = sample["ratio_pad"]
+    # whole pixels, as yolov5
+    boxes = ops.scale_boxes(det[:, :4], ratio_pad, (h, w)).round()
     out = dict(boxes=torch.cat((boxes, det[:, 4:6]), 1).cpu(), masks=None)
-    if protos is not None:
-        masks = ops.process_mask(protos, det[:, 6:], det[:, :4], input_hw)
-        out["masks"] = ops.scale_masks(masks, ratio_pad, (h, w)).cpu()
-        if polygons:  # traced at input resolution, as yolov5 does
-            (r, _), pad = ratio_pad
-            out["polygons"] = [((ops.mask_to_polygon(m) - pad) / r).clip(0, (w, h)) for m in masks]
+    if protos is None:
+        return out
+    masks = ops.process_mask(protos, coefs=det[:, 6:], boxes=det[:, :4], input_hw=input_hw)
+    out["masks"] = ops.scale_masks(masks, ratio_pad, (h, w)).cpu()
+    if polygons:
+        # traced at input resolution, as yolov5 does
+        (r, _), pad = ratio_pad
+        traced = [ops.mask_to_polygon(mask) for mask in masks]
+        out["polygons"] = [((polygon - pad) / r).clip(0, (w, h)) for polygon in traced]
     return out
 
 
@@ -325,7 +382,8 @@ def predict(model, images, **options) -> list[dict]:
 
 def top5(result: dict) -> list[tuple[int, float]]:
     """A classifier's 5 likeliest (class, probability), likeliest first."""
-    return [(int(c), float(p)) for p, c in zip(*result["probs"].sort(descending=True))][:5]
+    probs, classes = result["probs"].sort(descending=True)
+    return [(int(c), float(p)) for p, c in zip(probs, classes)][:5]
 
 
 def draw(result: dict, line_width=None, labels=True, conf=True) -> Image.Image:
@@ -335,12 +393,22 @@ def draw(result: dict, line_width=None, labels=True, conf=True) -> Image.Image:
         text = "\n".join(f"{result['names'][c]} {p:.2f}" for c, p in top5(result))
         ImageDraw.Draw(picture).multiline_text((8, 8), text, fill=(255, 255, 255))
         return picture
-    image, boxes = result["image"].permute(2, 0, 1), result["boxes"]
+    image = result["image"].permute(2, 0, 1)
+    boxes = result["boxes"]
+    # by default 0.3% of the mean side, at least 2 pixels (yolov5's)
     width = line_width or max(round(sum(image.shape[1:]) / 2 * 0.003), 2)
-    cls, scores = boxes[:, 5].long().tolist(), boxes[:, 4].tolist() if conf else None
-    masks, names = result["masks"], result["names"]
-    image = plots.draw_detections(image, boxes[:, :4], cls, scores, names, masks, width, labels)
-    return Image.fromarray(image.permute(1, 2, 0).numpy())
+    scores = boxes[:, 4].tolist() if conf else None
+    drawn = plots.draw_detections(
+        image,
+        boxes[:, :4],
+        cls=boxes[:, 5].long().tolist(),
+        conf=scores,
+        names=result["names"],
+        masks=result["masks"],
+        width=width,
+        labels=labels,
+    )
+    return Image.fromarray(drawn.permute(1, 2, 0).numpy())
 
 
 def label_lines(result: dict, conf: bool) -> str:
@@ -351,25 +419,36 @@ def label_lines(result: dict, conf: bool) -> str:
     h, w = result["image"].shape[:2]
     boxes = result["boxes"].numpy()
     shapes = ops.xyxy2xywh(boxes[:, :4]) / [w, h, w, h]
-    if result["masks"] is not None:  # an empty mask: its box's corners
-        polygons = zip(result["polygons"], ops.box_corners(boxes[:, :4]))
-        shapes = [(poly if len(poly) else corners) / [w, h] for poly, corners in polygons]
-    rows = [[b[5], *shape.ravel(), *(b[4:5] if conf else [])] for b, shape in zip(boxes, shapes)]
-    return "".join(" ".join(f"{v:g}" for v in row) + "\n" for row in reversed(rows))
+    if result["masks"] is not None:
+        # an empty mask's polygon: its box's corners
+        pairs = zip(result["polygons"], ops.box_corners(boxes[:, :4]))
+        shapes = [(polygon if len(polygon) else corners) / [w, h] for polygon, corners in pairs]
+    lines = []
+    for box, shape in zip(boxes, shapes):
+        row = [box[5], *shape.ravel()]
+        if conf:
+            row.append(box[4])
+        lines.append(" ".join(f"{v:g}" for v in row) + "\n")
+    return "".join(reversed(lines))
 
 
 def json_entry(result: dict) -> dict:
     """--save-json's entry: file, size, detections (box xyxy, mask as COCO RLE) or top 5 classes."""
-    h, w = result["image"].shape[:2]
-    entry = dict(file=result["path"], width=w, height=h)
+    height, width = result["image"].shape[:2]
+    entry = dict(file=result["path"], width=width, height=height)
+    names = result["names"]
     if "probs" in result:
-        top = [dict(class_id=c, name=result["names"][c], confidence=p) for c, p in top5(result)]
+        top = [dict(class_id=c, name=names[c], confidence=p) for c, p in top5(result)]
         return entry | dict(classes=top)
-    dets, masks, names = [], result["masks"], result["names"]
-    for k, (*box, conf, c) in enumerate(result["boxes"].tolist()):
-        det = dict(class_id=int(c), name=names[int(c)], confidence=round(conf, 5), box=box)
-        dets.append(det | ({"mask": ops.rle_encode(masks[k])} if masks is not None else {}))
-    return entry | dict(detections=dets)
+    masks = result["masks"]
+    detections = []
+    for k, (*box, conf, cls) in enumerate(result["boxes"].tolist()):
+        cls = int(cls)
+        detection = dict(class_id=cls, name=names[cls], confidence=round(conf, 5), box=box)
+        if masks is not None:
+            detection["mask"] = ops.rle_encode(masks[k])
+        detections.append(detection)
+    return entry | dict(detections=detections)
 
 
 def crop_folders(names) -> list[str]:
@@ -417,12 +496,13 @@ def check_run_folder(save_dir: Path, files: list[str], source: str) -> None:
     or the file it links to: predicting into it would replace the user's images."""
     run = Path(os.path.realpath(save_dir))
     inputs = [*files, source] if Path(source).is_file() else files
-    for f in inputs:
+    for file in inputs:
         # the entry itself (its folder resolved), and the file it may link to
-        entry = Path(os.path.realpath(os.path.dirname(os.path.abspath(f)))) / os.path.basename(f)
-        target = Path(os.path.realpath(f))
-        if any(p == run or run in p.parents for p in (entry, target)):
-            why = f"the run folder {save_dir} holds the source file {f}"
+        folder = os.path.realpath(os.path.dirname(os.path.abspath(file)))
+        entry = Path(folder) / os.path.basename(file)
+        target = Path(os.path.realpath(file))
+        if any(path == run or run in path.parents for path in (entry, target)):
+            why = f"the run folder {save_dir} holds the source file {file}"
             raise ConfigError(f"--project/--name: {why}; predict into another folder")
 
 
@@ -452,51 +532,53 @@ def crop_box(box: list, width: int, height: int) -> list[int]:
 def save(result: dict, save_dir: Path, args, stem: str, folders: list[str]) -> None:
     """An image's outputs under stem (output_stems): its drawing <stem>.<ext>, labels/<stem>.txt
     (if it has detections) and crops/<folders[class]>/<stem>_<k>.jpg."""
-    path, boxes = Path(result["path"]), result.get("boxes", torch.zeros(0, 6))
-    ext = path.name.rpartition(".")[2]
+    ext = Path(result["path"]).name.rpartition(".")[2]
+    boxes = result.get("boxes", torch.zeros(0, 6))
     if not args.nosave:
-        picture = draw(result, args.line_width, not args.hide_labels, not args.hide_conf)
+        picture = draw(
+            result, line_width=args.line_width, labels=not args.hide_labels, conf=not args.hide_conf
+        )
         # the format by the source's extension, whatever the temporary file's name
         kind = Image.registered_extensions()[f".{ext.lower()}"]
         replace_file(save_dir / f"{stem}.{ext}", partial(picture.save, format=kind))
     if args.save_txt and (len(boxes) or "probs" in result):
         text = label_lines(result, args.save_conf)
         replace_file(save_dir / "labels" / f"{stem}.txt", lambda tmp: tmp.write_text(text))
-    image = Image.fromarray(result["image"].numpy()) if args.save_crop else None
-    for k, (*box, _, c) in enumerate(boxes.tolist() if args.save_crop else []):
+    if not args.save_crop:
+        return
+    image = Image.fromarray(result["image"].numpy())
+    for k, (*box, _, cls) in enumerate(boxes.tolist()):
         crop = image.crop(crop_box(box, width=image.width, height=image.height))
-        folder = save_dir / "crops" / folders[int(c)]
+        folder = save_dir / "crops" / folders[int(cls)]
         folder.mkdir(parents=True, exist_ok=True)
         replace_file(folder / f"{stem}_{k}.jpg", crop.save)
 
 
 def get_args_parser() -> argparse.ArgumentParser:
-    p = base_parser("Predict boxes (and masks) on images", PREDICT_NMS, "runs/predict")
+    parser = base_parser("Predict boxes (and masks) on images", PREDICT_NMS, "runs/predict")
     source = "image, folder, glob or .txt list of paths (relative ones: to the list's folder)"
-    p.add_argument("--source", required=True, help=source)
-    p.add_argument("--classes", nargs="+", type=int, help="keep only these classes")
-    p.add_argument("--agnostic-nms", action="store_true", help="NMS across classes")
-    p.add_argument("--batch-size", type=int, default=1, help="per rank, >= 1")
-    p.add_argument(
-        "--workers",
-        type=int,
-        default=0,
-        help="image decoding processes per rank, >= 0 (at most the CPUs)",
-    )
+    parser.add_argument("--source", required=True, help=source)
+    parser.add_argument("--classes", nargs="+", type=int, help="keep only these classes")
+    parser.add_argument("--agnostic-nms", action="store_true", help="NMS across classes")
+    parser.add_argument("--batch-size", type=int, default=1, help="per rank, >= 1")
+    workers = "image decoding processes per rank, >= 0 (at most the CPUs)"
+    parser.add_argument("--workers", type=int, default=0, help=workers)
     labels = "labels/<image>.txt, yolov5's format (a repeated image name: <image>_2, _3, ...)"
-    p.add_argument("--save-txt", action="store_true", help=labels)
-    p.add_argument("--save-conf", action="store_true", help="confidences in --save-txt labels")
-    crops = "crops/<class>/<image>_<k>.jpg; <class>: the class name as one safe folder name"
-    crops += ' (/ \\ : * ? " < > | and control characters as _, no leading or trailing dots'
-    crops += " or spaces; empty: class<index>; _<index> added if two classes would share one)"
-    p.add_argument("--save-crop", action="store_true", help=crops)
-    p.add_argument("--save-json", action="store_true", help="predictions.json for the source")
-    p.add_argument("--nosave", action="store_true", help="no annotated images")
+    parser.add_argument("--save-txt", action="store_true", help=labels)
+    parser.add_argument("--save-conf", action="store_true", help="confidences in --save-txt labels")
+    crops = (
+        "crops/<class>/<image>_<k>.jpg; <class>: the class name as one safe folder name"
+        ' (/ \\ : * ? " < > | and control characters as _, no leading or trailing dots'
+        " or spaces; empty: class<index>; _<index> added if two classes would share one)"
+    )
+    parser.add_argument("--save-crop", action="store_true", help=crops)
+    parser.add_argument("--save-json", action="store_true", help="predictions.json for the source")
+    parser.add_argument("--nosave", action="store_true", help="no annotated images")
     width = "box width in pixels, >= 1 (default: by size)"
-    p.add_argument("--line-width", type=int, help=width)
-    p.add_argument("--hide-labels", action="store_true")
-    p.add_argument("--hide-conf", action="store_true")
-    return p
+    parser.add_argument("--line-width", type=int, help=width)
+    parser.add_argument("--hide-labels", action="store_true")
+    parser.add_argument("--hide-conf", action="store_true")
+    return parser
 
 
 def predict_amp(device: torch.device, amp: str) -> torch.dtype | None:
@@ -520,66 +602,96 @@ def main(args: argparse.Namespace) -> dict:
         save_dir = dist.run_on_main(next_run_dir, args.project, args.name, args.exist_ok)
         check_run_folder(save_dir, files, args.source)
         amp = predict_amp(info.device, args.amp)
-        layout = torch.channels_last if args.amp != "off" else None  # faster, in fp32 too
+        # faster, in fp32 too
+        layout = torch.channels_last if args.amp != "off" else None
         model = load_model(args.weights, info.device).fuse().to(memory_format=layout)
         if args.classes and not all(0 <= c < model.nc for c in args.classes):
-            nc = f"{args.weights} has classes 0 to {model.nc - 1}"
-            raise ValueError(f"--classes {' '.join(map(str, args.classes))}: {nc}")
+            listed = " ".join(map(str, args.classes))
+            raise ValueError(f"--classes {listed}: {args.weights} has classes 0 to {model.nc - 1}")
         args.imgsz = round_imgsz(args.imgsz, int(model.stride.max()))
-        (save_dir / "labels" if args.save_txt else save_dir).mkdir(parents=True, exist_ok=True)
-        share = slice(info.rank, None, info.world_size)  # this rank's files
-        mine = dict(files=files[share], stems=stems[share], save_dir=save_dir, amp=amp)
-        counts = predict_share(model, args, info, **mine)
-        ranks = dist.all_gather_object(counts)
-        seen, skipped, n_det, speed = (sum(r[i] for r in ranks) for i in range(4))
-        speed = dict(zip(STAGES, (speed / max(seen, 1)).tolist()))
+        save_dir.mkdir(parents=True, exist_ok=True)
+        if args.save_txt:
+            (save_dir / "labels").mkdir(exist_ok=True)
+        # this rank's files
+        mine = slice(info.rank, None, info.world_size)
+        share = predict_share(
+            model, args, info, files=files[mine], stems=stems[mine], save_dir=save_dir, amp=amp
+        )
+        shares = dist.all_gather_object(share)
+        seen = sum(part.seen for part in shares)
+        # every image is either seen or skipped (named)
+        skipped = len(files) - seen
+        detections = sum(part.detections for part in shares)
+        summed = sum(part.speed for part in shares)
+        speed = dict(zip(STAGES, (summed / max(seen, 1)).tolist()))
         if info.rank == 0:
             if args.save_json:
                 # each entry keyed by its file's place in the source
-                entries = [e for _, e in sorted(e for r in ranks for e in r[4])]
-                text = json.dumps(entries)
+                placed = sorted(pair for part in shares for pair in part.entries)
+                text = json.dumps([entry for _, entry in placed])
                 replace_file(save_dir / "predictions.json", lambda tmp: tmp.write_text(text))
-            print(speed_line(speed, f"shape {(args.batch_size, 3, args.imgsz, args.imgsz)}"))
-            print(f"{seen} images" + (f", {skipped} skipped (named above)" if skipped else ""))
+            shape = (args.batch_size, 3, args.imgsz, args.imgsz)
+            print(speed_line(speed, f"shape {shape}"))
+            counted = f"{seen} images"
+            if skipped:
+                counted += f", {skipped} skipped (named above)"
+            print(counted)
             print(f"Results saved to {save_dir}", flush=True)
-        out = dict(save_dir=str(save_dir), images=seen, skipped=skipped, detections=n_det)
-        return out | dict(speed=speed)
+        return dict(
+            save_dir=str(save_dir),
+            images=seen,
+            skipped=skipped,
+            detections=detections,
+            speed=speed,
+        )
     finally:
         dist.cleanup()
 
 
-def predict_share(model, args, info, files, stems, save_dir: Path, amp) -> tuple:
-    """This rank's files predicted and saved -> (seen, skipped, detections, summed speed, json
-    entries as (place in the whole source, entry)); a failed image is named and skipped."""
-    nms = {k: getattr(args, k) for k in ("conf_thres", "iou_thres", "max_det", "classes")}
-    nms |= dict(agnostic=args.agnostic_nms, polygons=args.save_txt, amp=amp)
-    sizes = dict(imgsz=args.imgsz, batch_size=args.batch_size, workers=args.workers)
+def predict_share(model, args, info, files, stems, save_dir: Path, amp) -> Share:
+    """This rank's files predicted and saved; a failed image is named and skipped."""
     folders = crop_folders(model.names)
     seen = 0
-    n_det = 0
+    detections = 0
     speed = np.zeros(3)
     entries = []
-    t0 = last = time.time()
+    start = time.time()
+    last = start
     with warnings.catch_warnings():
         # each is printed below, one line naming its image
         warnings.simplefilter("ignore", ImageWarning)
-        for i, r in enumerate(stream(model, files, **sizes, **nms), 1):
+        results = stream(
+            model,
+            files,
+            imgsz=args.imgsz,
+            batch_size=args.batch_size,
+            workers=args.workers,
+            polygons=args.save_txt,
+            amp=amp,
+            conf_thres=args.conf_thres,
+            iou_thres=args.iou_thres,
+            max_det=args.max_det,
+            classes=args.classes,
+            agnostic=args.agnostic_nms,
+        )
+        for done, result in enumerate(results, 1):
             # progress, every 10 s
-            if info.rank == 0 and time.time() - last > 10 and i < len(files):
+            if info.rank == 0 and time.time() - last > 10 and done < len(files):
                 last = time.time()
-                rate = i / (last - t0)
-                eta = f"eta {(len(files) - i) / rate:.0f}s"
-                print(f"{i}/{len(files)} images  {rate:.1f} images/s  {eta}", flush=True)
-            entry = save_result(r, save_dir, args, stem=stems[r["index"]], folders=folders)
+                rate = done / (last - start)
+                eta = f"eta {(len(files) - done) / rate:.0f}s"
+                print(f"{done}/{len(files)} images  {rate:.1f} images/s  {eta}", flush=True)
+            stem = stems[result["index"]]
+            entry = save_result(result, save_dir, args, stem=stem, folders=folders)
             if entry is None:
                 continue
             seen += 1
-            n_det += len(r.get("boxes", ()))
-            speed = speed + r["speed"]
+            detections += len(result.get("boxes", ()))
+            speed += result["speed"]
             if args.save_json:
-                entries.append((info.rank + r["index"] * info.world_size, entry))
-    # every image is either seen or skipped (named)
-    return seen, len(files) - seen, n_det, speed, entries
+                place = info.rank + result["index"] * info.world_size
+                entries.append((place, entry))
+    return Share(seen=seen, detections=detections, speed=speed, entries=entries)
 
 
 def save_result(result: dict, save_dir: Path, args, stem: str, folders: list) -> dict | None:
@@ -593,7 +705,8 @@ def save_result(result: dict, save_dir: Path, args, stem: str, folders: list) ->
     try:
         entry = json_entry(result) if args.save_json else {}
         save(result, save_dir, args, stem=stem, folders=folders)
-    except Exception as e:  # e.g. a full disk, an image PIL cannot write
+    except Exception as e:
+        # e.g. a full disk, an image PIL cannot write
         print(f"WARNING {result['path']}: saving failed ({one_line(e)}); skipped", flush=True)
         return None
     return entry

@@ -43,9 +43,12 @@ class YOLO:
 
     def __init__(self, source: str | Path | Model | None = None):
         self.model: Model | None = None
-        self.cfg = ""  # the cfg a new model was built from (recorded in args.yaml)
-        self.ckpt_path: Path | None = None  # the file the weights came from, or were saved to
-        self.data: str | None = None  # the data trained on: val()'s default
+        # the cfg a new model was built from (recorded in args.yaml)
+        self.cfg = ""
+        # the file the weights came from, or were saved to
+        self.ckpt_path: Path | None = None
+        # the data trained on: val()'s default
+        self.data: str | None = None
         self.callbacks: dict[str, list] = {event: [] for event in trainer.EVENTS}
         if isinstance(source, Model):
             self.model = source
@@ -157,7 +160,6 @@ class YOLO:
             device = next(model.parameters()).device
         # stream runs it in eval mode and gives it back in its own mode
         model = model.to(device)
-        nms = dict(conf_thres=args.conf_thres, iou_thres=args.iou_thres, max_det=args.max_det)
         results = predictor.stream(
             model,
             images,
@@ -165,9 +167,11 @@ class YOLO:
             batch_size=args.batch_size,
             workers=args.workers,
             amp=predictor.predict_amp(device, args.amp),
+            conf_thres=args.conf_thres,
+            iou_thres=args.iou_thres,
+            max_det=args.max_det,
             classes=args.classes,
             agnostic=args.agnostic_nms,
-            **nms,
         )
         if stream:
             return results
@@ -179,8 +183,8 @@ class YOLO:
         """Write the model as a checkpoint that val.py, predict.py and YOLO(path) load (on rank 0
         only under torchrun; atomically)."""
         model = self._model()
-        state = dict(model_cfg=model.yaml, names=list(model.names), task=model.task)
-        state["model"] = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+        weights = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+        state = dict(model_cfg=model.yaml, names=list(model.names), task=model.task, model=weights)
         if dist.env_rank() == 0:
             checkpoint.save(state, path)
         self.ckpt_path = Path(path)
