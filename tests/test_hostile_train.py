@@ -551,11 +551,15 @@ def test_a_second_process_is_refused_and_sigterm_to_the_group_is_one_line(tiny, 
         for line in p.stdout:
             if line.startswith("epoch 2/50 [2/16]"):
                 break
+        # Stopped, the run stays mid-epoch however slowly this test goes: a loaded machine
+        # otherwise lets it finish the epoch and save before SIGTERM comes.
+        os.killpg(p.pid, signal.SIGSTOP)
         with pytest.raises(ValueError, match=rf"{run} is in use by another training .pid {p.pid} "):
             checkpoint.find_resume(
                 trainer.get_args_parser().parse_args(["--resume", str(last)]), None
             )
         os.killpg(p.pid, signal.SIGTERM)
+        os.killpg(p.pid, signal.SIGCONT)
         _, err = p.communicate(timeout=120)
     finally:
         if p.poll() is None:
