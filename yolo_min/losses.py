@@ -325,11 +325,10 @@ class YOLOLoss:
 
     def __call__(self, preds, targets: Tensor, masks: Tensor | None = None):
         maps = preds
-        protos = None
         if self.nm:
             maps, protos = preds
-        if protos is not None and masks is None:
-            raise ValueError("YOLOLoss: a segmentation model needs masks (bs, H/4, W/4)")
+            if masks is None:
+                raise ValueError("YOLOLoss: a segmentation model needs masks (bs, H/4, W/4)")
         if targets.ndim != 2 or targets.shape[1] != 6:
             shape = tuple(targets.shape)
             raise ValueError(f"YOLOLoss: targets must be (N, 6) [img, cls, xywh], not {shape}")
@@ -340,13 +339,14 @@ class YOLOLoss:
         obj_loss = torch.zeros(1, device=device)
         cls_loss = torch.zeros(1, device=device)
         seg_loss = torch.zeros(1, device=device)
-        # found holds, per level with positives, (level, its Assignment, the mask coefficients).
+        if self.nm:
+            target_mask_values = mask_values(targets[:, 0], batch_size)
+        # found holds the MaskPositives of each level with positives.
         found = []
         for level, level_map in enumerate(maps):
             _, _, ny, nx, _ = level_map.shape
             positives = self._assign(level, targets, ny, nx)
-            cells = level_map.shape[:4]
-            obj_target = torch.zeros(cells, dtype=level_map.dtype, device=device)
+            obj_target = torch.zeros_like(level_map[..., 4])
             if len(positives.image):
                 pred = level_map[positives.cells]
                 pred_box = self._pred_boxes(pred, positives.anchor_wh)
@@ -358,16 +358,22 @@ class YOLOLoss:
                     class_logits = pred[:, 5 : 5 + self.nc]
                     classes = targets[positives.target, 1]
                     cls_loss += self._class_loss(class_logits, classes)
-                if protos is not None:
-                    coefs = pred[:, 5 + self.nc :]
-                    found.append((level, positives, coefs))
+                if self.nm:
+                    mask_positives = MaskPositives(
+                        level=level,
+                        image=positives.image,
+                        coefs=pred[:, 5 + self.nc :],
+                        mask_value=target_mask_values[positives.target],
+                        box=positives.box_normalised,
+                    )
+                    found.append(mask_positives)
             level_obj_loss = self._bce(level_map[..., 4], obj_target, self.obj_pw)
             obj_loss += level_obj_loss * self.balance[level]
         if found:
-            mask_loss_sum = self._segment_loss(found, protos, masks, targets)
+            mask_loss_sum = self._segment_loss(found, protos, masks)
             seg_loss += mask_loss_sum * self.hyp["box"] / batch_size
         items = {"box": box_loss * self.hyp["box"]}
-        if protos is not None:
+        if self.nm:
             items["seg"] = seg_loss
         items["obj"] = obj_loss * self.hyp["obj"]
         items["cls"] = cls_loss * self.hyp["cls"]
@@ -404,24 +410,12 @@ class YOLOLoss:
         target[positives, classes.long()] = self.class_positive
         return self._bce(logits, target, self.cls_pw)
 
-    def _segment_loss(self, found: list, protos: Tensor, masks: Tensor, targets: Tensor) -> Tensor:
-        """self.mask_loss of the positives found per level (see __call__), masks resized (nearest)
-        to the protos' size."""
-        batch_size = protos.shape[0]
+    def _segment_loss(self, levels: list, protos: Tensor, masks: Tensor) -> Tensor:
+        """self.mask_loss of the MaskPositives of each level with positives, masks resized
+        (nearest) to the protos' size."""
         size = protos.shape[-2:]
         if masks.shape[-2:] != size:
             masks = F.interpolate(masks[None].float(), size, mode="nearest")[0]
-        values = mask_values(targets[:, 0], batch_size)
-        levels = []
-        for level, positives, coefs in found:
-            mask_positives = MaskPositives(
-                level=level,
-                image=positives.image,
-                coefs=coefs,
-                mask_value=values[positives.target],
-                box=positives.box_normalised,
-            )
-            levels.append(mask_positives)
         return self.mask_loss(levels, protos, masks)
 
 
