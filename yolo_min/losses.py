@@ -329,6 +329,10 @@ class YOLOLoss:
             maps, protos = preds
             if masks is None:
                 raise ValueError("YOLOLoss: a segmentation model needs masks (bs, H/4, W/4)")
+            # The masks at the protos' size (nearest).
+            size = protos.shape[-2:]
+            if masks.shape[-2:] != size:
+                masks = F.interpolate(masks[None].float(), size, mode="nearest")[0]
         if targets.ndim != 2 or targets.shape[1] != 6:
             shape = tuple(targets.shape)
             raise ValueError(f"YOLOLoss: targets must be (N, 6) [img, cls, xywh], not {shape}")
@@ -346,7 +350,8 @@ class YOLOLoss:
         for level, level_map in enumerate(maps):
             _, _, ny, nx, _ = level_map.shape
             positives = self._assign(level, targets, ny, nx)
-            obj_target = torch.zeros_like(level_map[..., 4])
+            cells = level_map.shape[:4]
+            obj_target = torch.zeros(cells, dtype=level_map.dtype, device=device)
             if len(positives.image):
                 pred = level_map[positives.cells]
                 pred_box = self._pred_boxes(pred, positives.anchor_wh)
@@ -370,7 +375,7 @@ class YOLOLoss:
             level_obj_loss = self._bce(level_map[..., 4], obj_target, self.obj_pw)
             obj_loss += level_obj_loss * self.balance[level]
         if found:
-            mask_loss_sum = self._segment_loss(found, protos, masks)
+            mask_loss_sum = self.mask_loss(found, protos, masks)
             seg_loss += mask_loss_sum * self.hyp["box"] / batch_size
         items = {"box": box_loss * self.hyp["box"]}
         if self.nm:
@@ -409,14 +414,6 @@ class YOLOLoss:
         positives = torch.arange(len(logits), device=logits.device)
         target[positives, classes.long()] = self.class_positive
         return self._bce(logits, target, self.cls_pw)
-
-    def _segment_loss(self, levels: list, protos: Tensor, masks: Tensor) -> Tensor:
-        """self.mask_loss of the MaskPositives of each level with positives, masks resized
-        (nearest) to the protos' size."""
-        size = protos.shape[-2:]
-        if masks.shape[-2:] != size:
-            masks = F.interpolate(masks[None].float(), size, mode="nearest")[0]
-        return self.mask_loss(levels, protos, masks)
 
 
 class ClassifyLoss(nn.CrossEntropyLoss):
