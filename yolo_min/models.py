@@ -229,7 +229,7 @@ MODULES = {
 TASKS = {Detect: "detect", Segment: "segment", Classify: "classify"}
 
 
-def amp_dtype(device: torch.device, mode: str = "auto") -> torch.dtype | None:
+def amp_dtype(device: torch.device, mode: str) -> torch.dtype | None:
     """The autocast dtype of --amp {auto,on,off} on device, None: float32."""
     # auto: float16 on CUDA, bfloat16 on a CPU with native bf16 (AVX512-BF16, AMX, Arm BF16);
     # on: also where bf16 is emulated; off, and other devices: float32.
