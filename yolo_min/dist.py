@@ -24,7 +24,7 @@ class DistInfo(NamedTuple):
     device: torch.device
 
 
-def select_device(device: str = "") -> torch.device:
+def select_device(device: str) -> torch.device:
     """'' -> cuda:0 if available else cpu; 'cpu'; 'cuda'; '0' or 'cuda:1'."""
     given = str(device).strip()
     name = given.lower()
@@ -64,7 +64,7 @@ def _environ_int(name: str, default: str) -> int:
     return int(os.environ.get(name, default))
 
 
-def setup(device: str = "") -> DistInfo:
+def setup(device: str) -> DistInfo:
     """This process's DistInfo from torchrun's environment (none: one process) and process group."""
     rank = _environ_int("RANK", "0")
     local_rank = _environ_int("LOCAL_RANK", "0")
