@@ -24,7 +24,7 @@ class DistInfo(NamedTuple):
     device: torch.device
 
 
-def select_device(device: str = "") -> torch.device:
+def select_device(device: str) -> torch.device:
     """'' -> cuda:0 if available else cpu; 'cpu'; 'cuda'; '0' or 'cuda:1'."""
     given = str(device).strip()
     name = given.lower()
@@ -59,12 +59,17 @@ def listed_gpus(device: str, local_rank: int, local_world_size: int, world_size:
     return ids[local_rank]
 
 
-def setup(device: str = "") -> DistInfo:
+def _environ_int(name: str, default: str) -> int:
+    """The integer in the environment variable name (torchrun's), default when it is unset."""
+    return int(os.environ.get(name, default))
+
+
+def setup(device: str) -> DistInfo:
     """This process's DistInfo from torchrun's environment (none: one process) and process group."""
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    local_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    rank = _environ_int("RANK", "0")
+    local_rank = _environ_int("LOCAL_RANK", "0")
+    world_size = _environ_int("WORLD_SIZE", "1")
+    local_size = _environ_int("LOCAL_WORLD_SIZE", "1")
     listed = "," in str(device)
     if listed:
         device = listed_gpus(
@@ -183,7 +188,7 @@ def run_on_main(fn, *args):
 @contextlib.contextmanager
 def main_first():
     """The body on each node's local rank 0 first (e.g. to build a cache), then on the others."""
-    first = int(os.environ.get("LOCAL_RANK", "0")) == 0
+    first = _environ_int("LOCAL_RANK", "0") == 0
     if not first:
         barrier()
     try:
@@ -196,7 +201,7 @@ def main_first():
 
 def env_rank() -> int:
     """This process's rank as torchrun set it (0 without torchrun), with or without a group."""
-    return int(os.environ.get("RANK", "0"))
+    return _environ_int("RANK", "0")
 
 
 def print0(*args, **kwargs) -> None:

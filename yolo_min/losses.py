@@ -325,11 +325,14 @@ class YOLOLoss:
 
     def __call__(self, preds, targets: Tensor, masks: Tensor | None = None):
         maps = preds
-        protos = None
         if self.nm:
             maps, protos = preds
-        if protos is not None and masks is None:
-            raise ValueError("YOLOLoss: a segmentation model needs masks (bs, H/4, W/4)")
+            if masks is None:
+                raise ValueError("YOLOLoss: a segmentation model needs masks (bs, H/4, W/4)")
+            # The masks at the protos' size (nearest).
+            size = protos.shape[-2:]
+            if masks.shape[-2:] != size:
+                masks = F.interpolate(masks[None].float(), size, mode="nearest")[0]
         if targets.ndim != 2 or targets.shape[1] != 6:
             shape = tuple(targets.shape)
             raise ValueError(f"YOLOLoss: targets must be (N, 6) [img, cls, xywh], not {shape}")
@@ -340,7 +343,9 @@ class YOLOLoss:
         obj_loss = torch.zeros(1, device=device)
         cls_loss = torch.zeros(1, device=device)
         seg_loss = torch.zeros(1, device=device)
-        # found holds, per level with positives, (level, its Assignment, the mask coefficients).
+        if self.nm:
+            target_mask_values = mask_values(targets[:, 0], batch_size)
+        # found holds the MaskPositives of each level with positives.
         found = []
         for level, level_map in enumerate(maps):
             _, _, ny, nx, _ = level_map.shape
@@ -358,16 +363,22 @@ class YOLOLoss:
                     class_logits = pred[:, 5 : 5 + self.nc]
                     classes = targets[positives.target, 1]
                     cls_loss += self._class_loss(class_logits, classes)
-                if protos is not None:
-                    coefs = pred[:, 5 + self.nc :]
-                    found.append((level, positives, coefs))
+                if self.nm:
+                    mask_positives = MaskPositives(
+                        level=level,
+                        image=positives.image,
+                        coefs=pred[:, 5 + self.nc :],
+                        mask_value=target_mask_values[positives.target],
+                        box=positives.box_normalised,
+                    )
+                    found.append(mask_positives)
             level_obj_loss = self._bce(level_map[..., 4], obj_target, self.obj_pw)
             obj_loss += level_obj_loss * self.balance[level]
         if found:
-            mask_loss_sum = self._segment_loss(found, protos, masks, targets)
+            mask_loss_sum = self.mask_loss(found, protos, masks)
             seg_loss += mask_loss_sum * self.hyp["box"] / batch_size
         items = {"box": box_loss * self.hyp["box"]}
-        if protos is not None:
+        if self.nm:
             items["seg"] = seg_loss
         items["obj"] = obj_loss * self.hyp["obj"]
         items["cls"] = cls_loss * self.hyp["cls"]
@@ -403,26 +414,6 @@ class YOLOLoss:
         positives = torch.arange(len(logits), device=logits.device)
         target[positives, classes.long()] = self.class_positive
         return self._bce(logits, target, self.cls_pw)
-
-    def _segment_loss(self, found: list, protos: Tensor, masks: Tensor, targets: Tensor) -> Tensor:
-        """self.mask_loss of the positives found per level (see __call__), masks resized (nearest)
-        to the protos' size."""
-        batch_size = protos.shape[0]
-        size = protos.shape[-2:]
-        if masks.shape[-2:] != size:
-            masks = F.interpolate(masks[None].float(), size, mode="nearest")[0]
-        values = mask_values(targets[:, 0], batch_size)
-        levels = []
-        for level, positives, coefs in found:
-            mask_positives = MaskPositives(
-                level=level,
-                image=positives.image,
-                coefs=coefs,
-                mask_value=values[positives.target],
-                box=positives.box_normalised,
-            )
-            levels.append(mask_positives)
-        return self.mask_loss(levels, protos, masks)
 
 
 class ClassifyLoss(nn.CrossEntropyLoss):

@@ -244,10 +244,10 @@ def _accuracy(hits):
 
 def fitness(metrics: dict) -> float:
     """0.1 * mAP50 + 0.9 * mAP50-95, summed over boxes and (segment) masks."""
-    terms = []
+    total = 0
     for suffix in SUFFIX.values():
         if f"mAP50({suffix})" in metrics:
             map50 = metrics[f"mAP50({suffix})"]
             map50_95 = metrics[f"mAP50-95({suffix})"]
-            terms.append(0.1 * map50 + 0.9 * map50_95)
-    return sum(terms)
+            total += 0.1 * map50 + 0.9 * map50_95
+    return total

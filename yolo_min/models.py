@@ -39,15 +39,13 @@ class Conv(nn.Module):
 
 
 class Bottleneck(nn.Module):
-    """1x1 conv to out_channels * expansion, 3x3 conv to out_channels, plus the input when
-    shortcut and the channels match."""
+    """1x1 conv, 3x3 conv, both keeping the channels (as in C3), plus the input when shortcut."""
 
-    def __init__(self, in_channels, out_channels, shortcut: bool = True, expansion: float = 0.5):
+    def __init__(self, channels: int, shortcut: bool):
         super().__init__()
-        hidden = int(out_channels * expansion)
-        self.cv1 = Conv(in_channels, hidden)
-        self.cv2 = Conv(hidden, out_channels, kernel_size=3)
-        self.add = shortcut and in_channels == out_channels
+        self.cv1 = Conv(channels, channels)
+        self.cv2 = Conv(channels, channels, kernel_size=3)
+        self.add = shortcut
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.cv2(self.cv1(x))
@@ -60,13 +58,13 @@ class C3(nn.Module):
     """CSP block: `repeats` bottlenecks on one half of the channels, a 1x1 shortcut on the other,
     merged by a 1x1 conv."""
 
-    def __init__(self, in_channels, out_channels, repeats: int = 1, shortcut: bool = True):
+    def __init__(self, in_channels, out_channels, repeats: int, shortcut: bool = True):
         super().__init__()
         hidden = out_channels // 2
         self.cv1 = Conv(in_channels, hidden)
         self.cv2 = Conv(in_channels, hidden)
         self.cv3 = Conv(2 * hidden, out_channels)
-        blocks = (Bottleneck(hidden, hidden, shortcut, expansion=1.0) for _ in range(repeats))
+        blocks = (Bottleneck(hidden, shortcut) for _ in range(repeats))
         self.m = nn.Sequential(*blocks)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -102,7 +100,7 @@ class Concat(nn.Module):
 class Proto(nn.Module):
     """Mask prototypes: P3 features (bs, in_channels, H/8, W/8) -> (bs, num_masks, H/4, W/4)."""
 
-    def __init__(self, in_channels, hidden: int = 256, num_masks: int = 32):
+    def __init__(self, in_channels: int, hidden: int, num_masks: int):
         super().__init__()
         self.cv1 = Conv(in_channels, hidden, kernel_size=3)
         self.upsample = nn.Upsample(scale_factor=2, mode="nearest")
@@ -127,7 +125,7 @@ class Detect(nn.Module):
     train: nl raw maps (bs, na, ny, nx, no), channels [tx, ty, tw, th, obj, cls..., coefs...];
     eval: (bs, N, no) decoded: xywh in input pixels, obj and class probabilities, raw mask coefs."""
 
-    def __init__(self, num_classes=80, anchors: list = (), in_channels: list = (), num_masks=0):
+    def __init__(self, num_classes: int, anchors: list, in_channels: list, num_masks: int = 0):
         super().__init__()
         self.nc = num_classes
         self.nm = num_masks
@@ -178,9 +176,7 @@ class Detect(nn.Module):
 class Segment(Detect):
     """Detect plus nm mask coefficients: (Detect's output, protos (bs, nm, H/4, W/4) from P3)."""
 
-    def __init__(
-        self, num_classes=80, anchors=(), num_masks=32, proto_channels=256, in_channels=()
-    ):
+    def __init__(self, num_classes, anchors, num_masks, proto_channels, in_channels):
         super().__init__(
             num_classes=num_classes, anchors=anchors, in_channels=in_channels, num_masks=num_masks
         )
@@ -233,7 +229,7 @@ MODULES = {
 TASKS = {Detect: "detect", Segment: "segment", Classify: "classify"}
 
 
-def amp_dtype(device: torch.device, mode: str = "auto") -> torch.dtype | None:
+def amp_dtype(device: torch.device, mode: str) -> torch.dtype | None:
     """The autocast dtype of --amp {auto,on,off} on device, None: float32."""
     # auto: float16 on CUDA, bfloat16 on a CPU with native bf16 (AVX512-BF16, AMX, Arm BF16);
     # on: also where bf16 is emulated; off, and other devices: float32.
@@ -286,9 +282,7 @@ def _rows(x, most: int) -> bool:
 
 def _anchor_rows(x) -> bool:
     """At most 8 levels of at most 10 anchors (w, h pairs), all numbers."""
-    if not _rows(x, 8):
-        return False
-    return all(_rows(row, 20) and all(map(_number, row)) for row in x)
+    return _rows(x, 8) and all(_rows(row, 20) and all(map(_number, row)) for row in x)
 
 
 def _scalar(x) -> bool:
@@ -327,8 +321,9 @@ def _check_keys(cfg: dict, where: str) -> None:
             raise ValueError(f"{where}: {_short(key)}: {_short(value)} {why}")
 
 
-def _check_row(row, index: int, depth_multiple: float, at: str) -> None:
-    """Raise ValueError unless layer `index`'s row is [from, repeats, module, args] (see ROW)."""
+def _check_row(row, index: int, depth_multiple: float, at: str) -> list:
+    """The sources (a list) of layer `index`'s row [from, repeats, module, args]; ValueError unless
+    the row is as ROW says."""
     if not isinstance(row, list) or len(row) != 4:
         raise ValueError(f"{at}: {_short(row)} is not {ROW}")
     source, repeats, name, args = row
@@ -338,6 +333,7 @@ def _check_row(row, index: int, depth_multiple: float, at: str) -> None:
     args_ok = isinstance(args, list) and all(map(_scalar, args))
     if not (sources and sources_ok and isinstance(name, str) and repeats_ok and args_ok):
         raise ValueError(f"{at}: {_short(row)} is not {ROW}")
+    return sources
 
 
 def _layer_args(module_class, args: list, in_channels: list, width_multiple: float) -> tuple:
@@ -353,7 +349,6 @@ def _layer_args(module_class, args: list, in_channels: list, width_multiple: flo
     elif module_class is Classify:
         args = [in_channels[0], *args]
     elif module_class in (Detect, Segment):
-        args = list(args)
         if module_class is Segment:
             args[3] = make_divisible(args[3] * width_multiple)
         args.append(in_channels)
@@ -373,12 +368,11 @@ def parse_model(cfg: dict, where: str) -> tuple[nn.Sequential, list[int]]:
     channels = {-1: 3}
     for index, row in enumerate(cfg["backbone"] + cfg["head"]):
         at = f"{where}: layer {index}"
-        _check_row(row, index=index, depth_multiple=depth_multiple, at=at)
+        sources = _check_row(row, index=index, depth_multiple=depth_multiple, at=at)
         source, repeats, name, args = row
         if name not in MODULES:
             raise ValueError(f"{at}: unknown module {_short(name)} (known: {', '.join(MODULES)})")
         module_class = MODULES[name]
-        sources = source if isinstance(source, list) else [source]
         if repeats > 1:
             repeats = max(round(repeats * depth_multiple), 1)
         # The arguments are scalars: only the strings among them can be symbols.

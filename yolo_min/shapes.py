@@ -70,15 +70,15 @@ def _shape_polygon(rng, kind, centre, radius):
     """The polygon (k,2) [x, y] in pixels of a shape of class kind, randomly turned, within the
     circle of centre and radius."""
     turn = rng.uniform(0, 2 * math.pi)
+    # The vertices are on the circle, but for a triangle's.
+    radii = radius
     if kind == 0:
         # A circle: a regular 48-gon.
         angles = np.linspace(0, 2 * math.pi, 48, endpoint=False)
-        radii = np.full(len(angles), radius)
     elif kind == 1:
         # A rectangle: its corners on the circle, its aspect set by the angle of a diagonal.
         half = math.atan(rng.uniform(0.4, 1.0))
         angles = np.array([half, math.pi - half, math.pi + half, -half])
-        radii = np.full(len(angles), radius)
     else:
         # A triangle: 3 vertices at jittered angles and radii.
         jitter = rng.uniform(-0.3, 0.3, 3)
