@@ -21,7 +21,8 @@ N = 20000
 def test_draws_follow_the_definitions(hw):
     height, width = hw
     draws = [draw((0, 0, i), height, width) for i in range(N)]
-    boxes = np.array([d.box for d in draws]) * [width, height, width, height]
+    boxes, flips, colour = map(np.array, zip(*draws))
+    boxes = boxes * [width, height, width, height]
     w, h = boxes[:, 2] - boxes[:, 0], boxes[:, 3] - boxes[:, 1]
     assert (boxes >= 0).all() and (boxes[:, 2] <= width).all() and (boxes[:, 3] <= height).all()
     assert np.allclose(boxes, boxes.round()) and (w >= 1).all() and (h >= 1).all()
@@ -35,9 +36,7 @@ def test_draws_follow_the_definitions(hw):
     assert area.max() <= 1
     ratio, ref_ratio = w / h, ref[:, 1] / ref[:, 0]
     assert np.abs(np.quantile(ratio, q) - np.quantile(ref_ratio, q)).max() < 0.03
-    flips = np.array([d.flip for d in draws])
     assert abs(flips.mean() - 0.5) < 0.015
-    colour = np.array([d.colour for d in draws])
     jittered = (colour != 1).any(1)
     assert abs(jittered.mean() - 0.5) < 0.015
     factors = colour[jittered]
@@ -77,12 +76,12 @@ def test_batch_is_the_per_image_recipe():
     assert out.shape == (8, 3, side, side) and out.dtype == torch.uint8
     errors = []
     for im, key, got in zip(originals, keys, out):
-        d = draw(key, height, width)
-        x0, y0, x1, y1 = (round(v * s) for v, s in zip(d.box, (width, height) * 2))
+        box, flip, colour = draw(key, height, width)
+        x0, y0, x1, y1 = (round(v * s) for v, s in zip(box, (width, height) * 2))
         ref = TF.resized_crop(im, y0, x0, y1 - y0, x1 - x0, [side, side], antialias=True)
-        if d.flip:
+        if flip:
             ref = TF.horizontal_flip(ref)
-        brightness, contrast, saturation = d.colour
+        brightness, contrast, saturation = colour
         ref = TF.adjust_brightness(ref, brightness)
         ref = TF.adjust_contrast(ref, contrast)
         ref = TF.adjust_saturation(ref, saturation)

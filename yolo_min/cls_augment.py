@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import random
-from typing import NamedTuple
 
 import torch
 from torchvision.ops import roi_align
@@ -23,34 +22,28 @@ JITTER = 0.4
 JITTER_P = 0.5
 
 
-class Draw(NamedTuple):
-    """One image's parameters: box (x0, y0, x1, y1) as fractions of the image's width and height,
-    flip, colour (brightness, contrast, saturation) factors (1.0: unchanged)."""
-
-    box: tuple
-    flip: bool
-    colour: tuple
-
-
-def crop_box(rng: random.Random, height: int, width: int) -> tuple[int, int, int, int]:
+def crop_box(rng: random.Random, height: int, width: int) -> tuple:
     """RandomResizedCrop's (top, left, h, w) in pixels of an image (height, width): up to 10 tries
     at a random area and aspect ratio, else the centre crop at the aspect ratio nearest its own."""
-    log_ratio = (math.log(RATIO[0]), math.log(RATIO[1]))
     for _ in range(10):
         area = height * width * rng.uniform(*SCALE)
-        aspect = math.exp(rng.uniform(*log_ratio))
+        aspect = math.exp(rng.uniform(*map(math.log, RATIO)))
         w = round(math.sqrt(area * aspect))
         h = round(math.sqrt(area / aspect))
         if 0 < w <= width and 0 < h <= height:
-            return rng.randint(0, height - h), rng.randint(0, width - w), h, w
+            top = rng.randint(0, height - h)
+            left = rng.randint(0, width - w)
+            return top, left, h, w
     aspect = min(max(width / height, RATIO[0]), RATIO[1])
     w = min(width, round(height * aspect))
     h = min(height, round(width / aspect))
     return (height - h) // 2, (width - w) // 2, h, w
 
 
-def draw(key: tuple, height: int, width: int) -> Draw:
-    """The parameters of the image (height, width) px whose (seed, epoch, index) is key."""
+def draw(key: tuple, height: int, width: int) -> tuple:
+    """(box (x0, y0, x1, y1) as fractions of the width and height, flip, (brightness, contrast,
+    saturation) factors; 1.0: unchanged) of the image (height, width) px whose (seed, epoch,
+    index) is key."""
     rng = random.Random("%d:%d:%d" % key)
     top, left, h, w = crop_box(rng, height, width)
     box = (left / width, top / height, (left + w) / width, (top + h) / height)
@@ -58,26 +51,29 @@ def draw(key: tuple, height: int, width: int) -> Draw:
     colour = (1.0, 1.0, 1.0)
     if rng.random() < JITTER_P:
         colour = tuple(rng.uniform(1 - JITTER, 1 + JITTER) for _ in range(3))
-    return Draw(box, flip, colour)
+    return box, flip, colour
 
 
 def augment(images: torch.Tensor, sizes: list, keys: list) -> torch.Tensor:
     """uint8 (bs,3,S,S), image k stretched from its original sizes[k] (h, w) px, augmented by its
     draw(keys[k], h, w) -> uint8 (bs,3,S,S) on the same device: S is the training size."""
     draws = [draw(key, *hw) for key, hw in zip(keys, sizes)]
+    boxes, flips, colours = zip(*draws)
     side = images.shape[-1]
-    boxes = [[k, *(v * side for v in d.box)] for k, d in enumerate(draws)]
-    boxes = torch.tensor(boxes, dtype=torch.float32, device=images.device)
+    rois = [[k, *(v * side for v in box)] for k, box in enumerate(boxes)]
+    rois = torch.tensor(rois, device=images.device)
     # aligned: box edges are pixel edges; sampling_ratio -1: ceil(box / side) samples a pixel
     # and axis, averaged, so that a crop is smoothed as it shrinks
-    x = roi_align(images.float(), boxes, side, sampling_ratio=-1, aligned=True)
-    flips = torch.tensor([d.flip for d in draws], device=x.device)
+    x = roi_align(images.float(), rois, side, sampling_ratio=-1, aligned=True)
+    flips = torch.tensor(flips, device=x.device)
     x[flips] = x[flips].flip(-1)
-    factors = torch.tensor([d.colour for d in draws], device=x.device).view(-1, 3, 1, 1, 1)
-    brightness, contrast, saturation = factors.unbind(1)
-    # torchvision's brightness, contrast and saturation are linear maps that commute: one map,
-    # clamped once (torchvision clamps after each, which differs where a pixel saturates between)
+    factors = torch.tensor(colours, device=x.device)
+    brightness, contrast, saturation = factors.T.reshape(3, -1, 1, 1, 1)
+    # torchvision's saturation, contrast and brightness are linear maps that commute, so they
+    # are one map, clamped once (torchvision clamps after each: it differs where a pixel
+    # saturates between); contrast blends with the mean gray of the image before all three
     gray = rgb_to_grayscale(x)
     mean = gray.mean((1, 2, 3), keepdim=True)
-    x = contrast * (saturation * x + (1 - saturation) * gray) + (1 - contrast) * mean
-    return (brightness * x).clamp(0, 255).round().to(torch.uint8)
+    x = saturation * x + (1 - saturation) * gray
+    x = contrast * x + (1 - contrast) * mean
+    return (brightness * x).clamp(0, 255).round().byte()
