@@ -4,7 +4,7 @@ Each image draws its own parameters from its (seed, epoch, index) alone, so they
 any batch, worker or rank: a RandomResizedCrop box (8-100% of the area, width / height 3/4-4/3, as
 torchvision defines it), a horizontal flip (p 0.5) and, for half the images, colour jitter
 (brightness, contrast and saturation factors each from U(0.6, 1.4), no hue). One roi_align call
-then crops and resizes the whole batch."""
+then crops and resizes the whole batch; a select flips it."""
 
 from __future__ import annotations
 
@@ -37,7 +37,9 @@ def crop_box(rng: random.Random, height: int, width: int) -> tuple:
     aspect = min(max(width / height, RATIO[0]), RATIO[1])
     w = min(width, round(height * aspect))
     h = min(height, round(width / aspect))
-    return (height - h) // 2, (width - w) // 2, h, w
+    top = (height - h) // 2
+    left = (width - w) // 2
+    return top, left, h, w
 
 
 def draw(key: tuple, height: int, width: int) -> tuple:
@@ -60,14 +62,17 @@ def augment(images: torch.Tensor, sizes: list, keys: list) -> torch.Tensor:
     draws = [draw(key, *hw) for key, hw in zip(keys, sizes)]
     boxes, flips, colours = zip(*draws)
     side = images.shape[-1]
+    device = images.device
     rois = [[k, *(v * side for v in box)] for k, box in enumerate(boxes)]
-    rois = torch.tensor(rois, device=images.device)
+    # copies to the device that do not wait for it, and flips as a select, not a mask (on a GPU,
+    # either would wait for the previous step to end)
+    rois = torch.tensor(rois).to(device, non_blocking=True)
+    flips = torch.tensor(flips).to(device, non_blocking=True)
+    factors = torch.tensor(colours).to(device, non_blocking=True)
     # aligned: box edges are pixel edges; sampling_ratio -1: ceil(box / side) samples a pixel
     # and axis, averaged, so that a crop is smoothed as it shrinks
     x = roi_align(images.float(), rois, side, sampling_ratio=-1, aligned=True)
-    flips = torch.tensor(flips, device=x.device)
-    x[flips] = x[flips].flip(-1)
-    factors = torch.tensor(colours, device=x.device)
+    x = torch.where(flips.view(-1, 1, 1, 1), x.flip(-1), x)
     brightness, contrast, saturation = factors.T.reshape(3, -1, 1, 1, 1)
     # torchvision's saturation, contrast and brightness are linear maps that commute, so they
     # are one map, clamped once (torchvision clamps after each: it differs where a pixel

@@ -345,7 +345,8 @@ class ClassifyDataset(ImageFolder):
         return self.transform(image), (image.height, image.width)
 
     def __getitem__(self, key: int | tuple) -> dict:
-        """key: an index, or EpochSampler's (seed, epoch, index): cls_augment draws from it."""
+        """key: an index, or EpochSampler's (seed, epoch, index): the same sample for any (the
+        trainer augments batches, cls_augment)."""
         i = key[2] if isinstance(key, tuple) else key
         image, shape = self._ram[i] if self._ram else self.load(i)
         sample = dict(image=image, targets=torch.tensor([[self.targets[i]]]), masks=None, index=i)
