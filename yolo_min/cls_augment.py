@@ -76,9 +76,10 @@ def augment(images: torch.Tensor, sizes: list, keys: list) -> torch.Tensor:
     brightness, contrast, saturation = factors.T.reshape(3, -1, 1, 1, 1)
     # torchvision's saturation, contrast and brightness are linear maps that commute, so they
     # are one map, clamped once (torchvision clamps after each: it differs where a pixel
-    # saturates between); contrast blends with the mean gray of the image before all three
+    # saturates between). Saturation blends each pixel with its gray, contrast the image with
+    # its mean gray (which saturation leaves as it is).
     gray = rgb_to_grayscale(x)
     mean = gray.mean((1, 2, 3), keepdim=True)
-    x = saturation * x + (1 - saturation) * gray
-    x = contrast * x + (1 - contrast) * mean
-    return (brightness * x).clamp(0, 255).round().byte()
+    x = torch.lerp(gray, x, saturation)
+    x = torch.lerp(mean, x, contrast)
+    return (brightness * x).clamp_(0, 255).round_().byte()
