@@ -59,15 +59,18 @@ def make_batch(seed: int, segment: bool) -> dict:
 
 
 def classify_batch(seed: int) -> dict:
-    """4 random images of classes 0, 1, 2, 0 (batch dicts as ClassifyDataset's collate)."""
+    """4 random images of classes 0, 1, 2, 0 (batch dicts as ClassifyDataset's collate: indices
+    and original sizes, from which train_one_epoch's augmentation draws)."""
     g = torch.Generator().manual_seed(seed)
     images = torch.randint(0, 256, (4, 3, 64, 64), dtype=torch.uint8, generator=g)
-    return {"images": images, "targets": torch.tensor([[0, 0], [1, 1], [2, 2], [3, 0]])}
+    targets = torch.tensor([[0, 0], [1, 1], [2, 2], [3, 0]])
+    shapes = [(64, 64)] * 4
+    return {"images": images, "targets": targets, "indices": torch.arange(4), "shapes": shapes}
 
 
 def mirrored(batch: dict) -> dict:
-    if "masks" not in batch:  # classify: other images, the same classes
-        return {"images": batch["images"].flip(3), "targets": batch["targets"]}
+    if "masks" not in batch:  # classify: other images (indices 4-7), the same classes
+        return batch | {"images": batch["images"].flip(3), "indices": batch["indices"] + 4}
     targets = batch["targets"].clone()
     targets[:, 2] = 1 - targets[:, 2]
     masks = batch["masks"].flip(2) if batch["masks"] is not None else None
@@ -80,11 +83,15 @@ def joined(a: dict, b: dict) -> dict:
     shift[0, 0] = 4
     masks = torch.cat([a["masks"], b["masks"]]) if a.get("masks") is not None else None
     images = torch.cat([a["images"], b["images"]])
-    return {
+    whole = {
         "images": images,
         "targets": torch.cat([a["targets"], b["targets"] + shift]),
         "masks": masks,
     }
+    if "shapes" in a:  # classify: each image keeps its index, so its augmentation
+        indices = torch.cat([a["indices"], b["indices"]])
+        whole |= {"indices": indices, "shapes": a["shapes"] + b["shapes"]}
+    return whole
 
 
 def one_epoch(model, loader, info, args, hyp) -> nn.Module:

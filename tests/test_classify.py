@@ -13,6 +13,7 @@ import torch
 from PIL import Image
 
 from yolo_min import predictor, shapes, validator
+from yolo_min.cls_augment import augment
 from yolo_min.datasets import ClassifyDataset, build_dataloader, collate, load_data_config
 from yolo_min.labels import DataError
 from yolo_min.losses import ClassifyLoss
@@ -149,13 +150,13 @@ def test_transforms(tmp_path):
     assert s["image"].shape == (3, 32, 32) and s["image"].dtype == torch.uint8
     assert s["image"].min() == 255  # the centre square of side min(h, w), resized
     assert s["targets"].tolist() == [[0]] and s["index"] == 0 and s["path"].endswith("0.png")
+    assert s["shape"] == (40, 100)  # the original (h, w)
     train = ClassifyDataset(root, imgsz=48, augment=True, verbose=False)
-    crops = [train[(i, 0, 0)]["image"] for i in range(3)] + [train[(0, 1, 0)]["image"]]
-    assert all(c.shape == (3, 48, 48) and c.dtype == torch.uint8 for c in crops)
-    state = torch.get_rng_state()
-    assert torch.equal(train[(0, 1, 0)]["image"], crops[3])  # seeded by (seed, epoch, index)
-    assert torch.equal(torch.get_rng_state(), state)  # in a fork: the caller's RNG is untouched
-    assert not torch.equal(crops[0], crops[3])  # another epoch, another crop
+    whole = train[(0, 1, 0)]["image"]  # the whole image stretched, for cls_augment's crops
+    assert whole.shape == (3, 48, 48) and whole.dtype == torch.uint8
+    assert whole[:, :, :10].max() == 0 and whole[:, :, 19:29].min() == 255  # black sides kept
+    assert torch.equal(train[(5, 0, 0)]["image"], whole)  # no randomness in the workers
+    assert train[0]["shape"] == (40, 100)
 
 
 def test_batches_do_not_depend_on_workers(tmp_path):
@@ -163,10 +164,15 @@ def test_batches_do_not_depend_on_workers(tmp_path):
     ds = ClassifyDataset(root / "train", imgsz=32, augment=True, verbose=False)
 
     def batches(workers, seed=0, rank=0, world=1):
+        """The loader's batches with cls_augment's images, as train_one_epoch makes them."""
         kw = dict(shuffle=True, rank=rank, world_size=world, seed=seed)
         loader, sampler = build_dataloader(ds, 4, workers, **kw)
         sampler.set_epoch(2)
-        return [(b["indices"], b["images"], b["targets"]) for b in loader]
+        out = []
+        for b in loader:
+            keys = [(seed, 2, k) for k in b["indices"].tolist()]
+            out.append((b["indices"], augment(b["images"], b["shapes"], keys), b["targets"]))
+        return out
 
     a = batches(0)
     assert all(torch.equal(t[:, 0], torch.arange(len(t))) for _, _, t in a)  # [image, cls]

@@ -378,16 +378,25 @@ def center_square(im: Image.Image) -> Image.Image:
 
 class ClassifyDataset(ImageFolder):
     """ImageFolder split (root/<class>/*) as samples: `image` uint8 (3,imgsz,imgsz) RGB, `targets`
-    int64 (1,1) [cls], `path`, `index`. augment: yolov5's recipe, else the centre square resized."""
+    int64 (1,1) [cls], `shape` the original (h, w), `path`, `index`. augment: the whole image
+    stretched to the square, for cls_augment's crops; else the centre square resized.
+    cache "ram": the images in RAM as samples; "auto": if this node's processes need < 10%."""
 
     task, rect = "classify", False
 
-    def __init__(self, root, imgsz=224, augment=False, prefix="", verbose=True):
-        super().__init__(root, loader=load_rgb, allow_empty=True)  # classes: load_folder_data's
-        jitter = v2.RandomApply([v2.ColorJitter(0.4, 0.4, 0.4)], p=0.5)
-        train = [v2.RandomResizedCrop(imgsz), v2.RandomHorizontalFlip(0.5), jitter]  # yolov5's
-        steps = train if augment else [center_square, v2.Resize((imgsz, imgsz))]
-        self.transform = v2.Compose([*steps, v2.PILToTensor()])
+    def __init__(
+        self,
+        root,
+        imgsz=224,
+        augment=False,
+        prefix="",
+        verbose=True,
+        cache=None,
+        local_world_size=1,
+    ):
+        super().__init__(root, allow_empty=True)  # classes: load_folder_data's
+        steps = [] if augment else [center_square]
+        self.transform = v2.Compose([*steps, v2.Resize((imgsz, imgsz)), v2.PILToTensor()])
         checks = thread_map(lambda s: verify(s[0], ""), self.samples)  # no label file
         self.samples = [s for s, c in zip(self.samples, checks) if c[0] != CORRUPT]
         self.imgs, self.targets = self.samples, [k for _, k in self.samples]
@@ -399,6 +408,15 @@ class ClassifyDataset(ImageFolder):
             print(f"{prefix}{len(checks)} images, {self.stats['corrupt']} corrupt", flush=True)
         if not self.samples:
             raise DataError(f"{prefix}no usable images in {root}: all are corrupt")
+        size, free, self._ram = len(self.samples) * 3 * imgsz**2, available_memory(), None
+        need = size * local_world_size
+        if cache == "ram" and free and need > free:
+            gb = f"needs {need / 1e9:.1f} GB, {free / 1e9:.1f} GB is available"
+            raise DataError(f"{prefix}caching the images in RAM {gb}: use --cache off")
+        if cache == "ram" or (cache == "auto" and need < free / 10):
+            self._ram = thread_map(self.load, range(len(self.samples)))
+            if verbose:
+                print(f"{prefix}{len(self)} images cached in RAM ({size / 1e6:.0f} MB)", flush=True)
 
     def make_dataset(self, directory, class_to_idx, extensions=None, is_valid_file=None, **kw):
         """(path, class) of the images under directory/<class>/: ImageFolder's, but each real file
@@ -413,15 +431,18 @@ class ClassifyDataset(ImageFolder):
         self.walk = walk  # its counts are warned about once the split is verified
         return samples
 
+    def load(self, i: int) -> tuple[torch.Tensor, tuple]:
+        """(sample i's image as self.transform makes it, the original (h, w))."""
+        image = load_rgb(self.samples[i][0])
+        return self.transform(image), (image.height, image.width)
+
     def __getitem__(self, key: int | tuple) -> dict:
-        """key: an index, or (seed, epoch, index): seeds torch's random numbers, in a fork."""
+        """key: an index, or EpochSampler's (seed, epoch, index): the same sample for any (the
+        trainer augments batches, cls_augment)."""
         i = key[2] if isinstance(key, tuple) else key
-        with torch.random.fork_rng(devices=[], enabled=isinstance(key, tuple)):
-            if isinstance(key, tuple):  # the CPU generator: torch.manual_seed costs ~0.4 ms
-                torch.default_generator.manual_seed(random.Random("%d:%d:%d" % key).getrandbits(63))
-            image, cls = super().__getitem__(i)
-        sample = dict(image=image, targets=torch.tensor([[cls]]), masks=None, shape=None, index=i)
-        return sample | dict(path=self.samples[i][0])
+        image, shape = self._ram[i] if self._ram else self.load(i)
+        sample = dict(image=image, targets=torch.tensor([[self.targets[i]]]), masks=None, index=i)
+        return sample | dict(shape=shape, path=self.samples[i][0])
 
 
 def collate(samples: list[dict]) -> dict:

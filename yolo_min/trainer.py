@@ -22,7 +22,7 @@ import yaml
 from torch import nn, optim
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from . import checkpoint, datasets, dist, safe_load, validator
+from . import checkpoint, cls_augment, datasets, dist, safe_load, validator
 from .anchors import check_anchors
 from .cli import ConfigError, parse_kwargs
 from .datasets import ClassifyDataset, YOLODataset, build_dataloader
@@ -239,12 +239,13 @@ def build_loaders(args, hyp: dict, model: Model, data: dict, info) -> tuple:
     """(train, val) DataLoaders of YOLODatasets (mosaic; rect val batches) or ClassifyDatasets."""
     datasets.check_task(data, model.task)
     batch, kw = args.batch_size // info.world_size, dict(imgsz=args.imgsz, verbose=info.rank == 0)
+    # --cache off: any value but auto and ram
+    kw |= dict(local_world_size=info.local_world_size, cache=args.cache)
     if model.task == "classify":
         train = ClassifyDataset(data["train"][0], augment=True, prefix="train: ", **kw)
         val = ClassifyDataset(data["val"][0], prefix="val: ", **kw)
-    else:  # --cache off: any value but auto and ram
+    else:
         kw |= dict(task=model.task, stride=int(model.stride.max()), nc=data["nc"], hyp=hyp)
-        kw |= dict(local_world_size=info.local_world_size, cache=args.cache)
         train = YOLODataset(data["train"], augment=True, batch_size=batch, prefix="train: ", **kw)
         val = YOLODataset(data["val"], rect=True, batch_size=2 * batch, prefix="val: ", **kw)
     if model.task == "segment":
@@ -340,6 +341,11 @@ def train_one_epoch(model, criterion, optimizer, scaler, ema, loader, epoch, arg
     mean, start = 0.0, time.time()
     for i, batch in enumerate(loader):
         it = i + n * epoch
+        # classify: yolov5's crops, flips and colours, drawn per image, made per batch on the device
+        if de_parallel(model).task == "classify":
+            keys = [(args.seed, epoch, k) for k in batch["indices"].tolist()]
+            images = batch["images"].to(device, non_blocking=True)
+            batch["images"] = cls_augment.augment(images, batch["shapes"], keys)
         if detect and it <= warmup_iters:
             accumulate = warmup(optimizer, it, warmup_iters, lf, hyp, nominal_accumulate)
         step = it - last_step >= accumulate or i == n - 1

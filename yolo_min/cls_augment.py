@@ -1,0 +1,85 @@
+"""yolov5's classification training augmentation, a batch at a time on the training device.
+
+Each image draws its own parameters from its (seed, epoch, index) alone, so they are the same in
+any batch, worker or rank: a RandomResizedCrop box (8-100% of the area, width / height 3/4-4/3, as
+torchvision defines it), a horizontal flip (p 0.5) and, for half the images, colour jitter
+(brightness, contrast and saturation factors each from U(0.6, 1.4), no hue). One roi_align call
+then crops and resizes the whole batch; a select flips it."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import torch
+from torchvision.ops import roi_align
+from torchvision.transforms.v2.functional import rgb_to_grayscale
+
+SCALE = (0.08, 1.0)
+RATIO = (3 / 4, 4 / 3)
+FLIP = 0.5
+JITTER = 0.4
+JITTER_P = 0.5
+
+
+def crop_box(rng: random.Random, height: int, width: int) -> tuple:
+    """RandomResizedCrop's (top, left, h, w) in pixels of an image (height, width): up to 10 tries
+    at a random area and aspect ratio, else the centre crop at the aspect ratio nearest its own."""
+    for _ in range(10):
+        area = height * width * rng.uniform(*SCALE)
+        aspect = math.exp(rng.uniform(*map(math.log, RATIO)))
+        w = round(math.sqrt(area * aspect))
+        h = round(math.sqrt(area / aspect))
+        if 0 < w <= width and 0 < h <= height:
+            top = rng.randint(0, height - h)
+            left = rng.randint(0, width - w)
+            return top, left, h, w
+    aspect = min(max(width / height, RATIO[0]), RATIO[1])
+    w = min(width, round(height * aspect))
+    h = min(height, round(width / aspect))
+    top = (height - h) // 2
+    left = (width - w) // 2
+    return top, left, h, w
+
+
+def draw(key: tuple, height: int, width: int) -> tuple:
+    """(box (x0, y0, x1, y1) as fractions of the width and height, flip, (brightness, contrast,
+    saturation) factors; 1.0: unchanged) of the image (height, width) px whose (seed, epoch,
+    index) is key."""
+    rng = random.Random("%d:%d:%d" % key)
+    top, left, h, w = crop_box(rng, height, width)
+    box = (left / width, top / height, (left + w) / width, (top + h) / height)
+    flip = rng.random() < FLIP
+    colour = (1.0, 1.0, 1.0)
+    if rng.random() < JITTER_P:
+        colour = tuple(rng.uniform(1 - JITTER, 1 + JITTER) for _ in range(3))
+    return box, flip, colour
+
+
+def augment(images: torch.Tensor, sizes: list, keys: list) -> torch.Tensor:
+    """uint8 (bs,3,S,S), image k stretched from its original sizes[k] (h, w) px, augmented by its
+    draw(keys[k], h, w) -> uint8 (bs,3,S,S) on the same device: S is the training size."""
+    draws = [draw(key, *hw) for key, hw in zip(keys, sizes)]
+    boxes, flips, colours = zip(*draws)
+    side = images.shape[-1]
+    device = images.device
+    rois = [[k, *(v * side for v in box)] for k, box in enumerate(boxes)]
+    # copies to the device that do not wait for it, and flips as a select, not a mask (on a GPU,
+    # either would wait for the previous step to end)
+    rois = torch.tensor(rois).to(device, non_blocking=True)
+    flips = torch.tensor(flips).to(device, non_blocking=True)
+    factors = torch.tensor(colours).to(device, non_blocking=True)
+    # aligned: box edges are pixel edges; sampling_ratio -1: ceil(box / side) samples a pixel
+    # and axis, averaged, so that a crop is smoothed as it shrinks
+    x = roi_align(images.float(), rois, side, sampling_ratio=-1, aligned=True)
+    x = torch.where(flips.view(-1, 1, 1, 1), x.flip(-1), x)
+    brightness, contrast, saturation = factors.T.reshape(3, -1, 1, 1, 1)
+    # torchvision's saturation, contrast and brightness are linear maps that commute, so they
+    # are one map, clamped once (torchvision clamps after each: it differs where a pixel
+    # saturates between). Saturation blends each pixel with its gray, contrast the image with
+    # its mean gray (which saturation leaves as it is).
+    gray = rgb_to_grayscale(x)
+    mean = gray.mean((1, 2, 3), keepdim=True)
+    x = torch.lerp(gray, x, saturation)
+    x = torch.lerp(mean, x, contrast)
+    return (brightness * x).clamp_(0, 255).round_().byte()
