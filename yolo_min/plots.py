@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +24,8 @@ MAX_IMAGES = 16
 MAX_SIZE = 1920
 # The gap between its images (pixels).
 PAD = 4
+# The threads of draw_later that finish_drawing has not yet waited for.
+DRAWING: list[threading.Thread] = []
 
 
 def draw_batch(images, targets=None, masks=None, *, fname, names=None, preds=None):
@@ -61,6 +64,20 @@ def draw_batch(images, targets=None, masks=None, *, fname, names=None, preds=Non
     path.parent.mkdir(parents=True, exist_ok=True)
     picture.save(path, quality=90)
     return path
+
+
+def draw_later(*args, **kwargs) -> None:
+    """draw_batch(*args, **kwargs) in a background thread, so that the run goes on meanwhile
+    (yolov5 draws in threads too); finish_drawing waits until the pictures are written."""
+    thread = threading.Thread(target=draw_batch, args=args, kwargs=kwargs, daemon=True)
+    thread.start()
+    DRAWING.append(thread)
+
+
+def finish_drawing() -> None:
+    """Wait for the threads of draw_later."""
+    while DRAWING:
+        DRAWING.pop().join()
 
 
 def _predictions(pred):

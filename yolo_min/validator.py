@@ -99,6 +99,8 @@ def evaluate(model, loader, nms=VAL_NMS, plots_dir=None, save_json=None, coco_id
             records.append(score_image(loader.dataset, i, det, shape, hw, proto, cat_ids))
         if plots_dir is not None and bi < 3 and dist.is_main():
             plot_batch(batch, dets, protos, Path(plots_dir) / f"val_batch{bi}", model.names)
+    # the pictures drawn in the background are written before evaluate returns
+    plots.finish_drawing()
     records = metrics.merge_records(dist.all_gather_object(records))
     kinds = metrics.KINDS[model.task]
     res = metrics.summarize_classes(records) if classify else metrics.summarize(records, kinds)
@@ -153,12 +155,12 @@ def speed_line(speed: dict, at: str) -> str:
 def plot_batch(batch: dict, dets: list, protos, prefix: Path, names: list) -> None:
     """A batch's labels and predictions (conf >= 0.25): prefix_labels.jpg, prefix_pred.jpg."""
     images, kw = batch["images"], dict(names=names)
-    plots.draw_batch(images, batch["targets"], batch["masks"], fname=f"{prefix}_labels.jpg", **kw)
+    plots.draw_later(images, batch["targets"], batch["masks"], fname=f"{prefix}_labels.jpg", **kw)
     preds = [d[d[:, 4] >= 0.25] for d in dets]
     if protos[0] is not None:
         hw = images.shape[2:]
         kw["masks"] = [ops.process_mask(q, p[:, 6:], p[:, :4], hw) for q, p in zip(protos, preds)]
-    plots.draw_batch(images, preds=preds, fname=f"{prefix}_pred.jpg", **kw)
+    plots.draw_later(images, preds=preds, fname=f"{prefix}_pred.jpg", **kw)
 
 
 def format_table(res: dict, names: list[str], verbose: bool = False) -> str:
