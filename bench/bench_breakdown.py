@@ -30,7 +30,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "data"
-# (stage, module, function): the functions timed; a stage's calls are numbered when it recurs
+# (stage, module, function): the functions timed (main thread); an indented stage is part of the
+# one above it; the calls of NUMBERED stages are numbered
 STAGES = [
     ("label checks", "datasets", "list_images"),
     ("label checks", "datasets", "load_labels"),
@@ -40,12 +41,15 @@ STAGES = [
     ("optimizer, EMA", "trainer", "build_training"),
     ("train epoch", "trainer", "train_one_epoch"),
     ("  train_batch0.jpg", "trainer", "draw_batch"),
+    ("  train_batch0.jpg", "trainer", "draw_later"),
+    ("  waiting for pictures", "trainer", "finish_drawing"),
     ("validation", "validator", "evaluate"),
     ("  model + NMS", "validator", "infer"),
     ("  NMS", "ops", "non_max_suppression"),
     ("  scoring", "validator", "score_image"),
     ("  AP", "metrics", "summarize"),
     ("  val pictures", "validator", "plot_batch"),
+    ("  waiting for pictures", "plots", "finish_drawing"),
     ("checkpoint writes", "checkpoint", "training_state"),
     ("checkpoint writes", "trainer", "save_epoch"),
     ("validate best.pt", "trainer", "validate_saved"),
@@ -80,7 +84,10 @@ def child(root: str, args: list[str], launched: float) -> None:
         setattr(module, name, timed)
 
     for stage, module, name in STAGES:
-        wrap(stage, importlib.import_module(f"yolo_min.{module}"), name)
+        module = importlib.import_module(f"yolo_min.{module}")
+        # a revision without the function (draw_later: pictures drawn in the main thread)
+        if hasattr(module, name):
+            wrap(stage, module, name)
     parsed = trainer.get_args_parser().parse_args(args)
     spans.append(("imports", started, time.time()))
     trainer.main(parsed)

@@ -29,8 +29,9 @@ def label_wh(labels: list[dict], imgsz: int, rng: np.random.Generator) -> np.nda
 def ratio_metric(anchors: np.ndarray, wh: np.ndarray) -> np.ndarray:
     """(n, m): per anchor (n, 2) and label (m, 2), the worse of the w and h ratios, in (0, 1]."""
     # Widths and heights apart, labels last: numpy is fast along long contiguous rows.
-    ratio = wh.T[:, None] / anchors.T[..., None]
+    ratio = wh.T[:, None] / anchors.T[:, :, None]
     metric = np.minimum(ratio, 1 / ratio)
+    # The worse of the two (a binary minimum: a reduction over an axis of 2 is slow in numpy).
     return np.minimum(metric[0], metric[1])
 
 

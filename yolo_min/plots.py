@@ -24,8 +24,9 @@ MAX_IMAGES = 16
 MAX_SIZE = 1920
 # The gap between its images (pixels).
 PAD = 4
-# The threads of draw_later that finish_drawing has not yet waited for.
-DRAWING: list[threading.Thread] = []
+# The threads of draw_later that finish_drawing has not yet waited for (yolov5 draws in threads
+# too). None is left when a loader forks its workers: fork copies no thread.
+DRAWING = []
 
 
 def draw_batch(images, targets=None, masks=None, *, fname, names=None, preds=None):
@@ -43,8 +44,7 @@ def draw_batch(images, targets=None, masks=None, *, fname, names=None, preds=Non
             boxes, cls, conf = _targets(targets, i, (width, height))
         instance_masks = None
         if masks is not None and cls:
-            image_masks = masks[i].cpu()
-            instance_masks = _instance_masks(image_masks, len(cls), (height, width))
+            instance_masks = _instance_masks(masks[i].cpu(), len(cls), (height, width))
         cell = draw_detections(
             images[i].cpu(),
             boxes,
@@ -67,15 +67,14 @@ def draw_batch(images, targets=None, masks=None, *, fname, names=None, preds=Non
 
 
 def draw_later(*args, **kwargs) -> None:
-    """draw_batch(*args, **kwargs) in a background thread, so that the run goes on meanwhile
-    (yolov5 draws in threads too); finish_drawing waits until the pictures are written."""
-    thread = threading.Thread(target=draw_batch, args=args, kwargs=kwargs, daemon=True)
-    thread.start()
-    DRAWING.append(thread)
+    """draw_batch(*args, **kwargs) in a background thread, so that the run goes on meanwhile (an
+    error is printed, as of any thread, not raised); finish_drawing waits for it."""
+    DRAWING.append(threading.Thread(target=draw_batch, args=args, kwargs=kwargs))
+    DRAWING[-1].start()
 
 
 def finish_drawing() -> None:
-    """Wait for the threads of draw_later."""
+    """Wait until the pictures of draw_later are written."""
     while DRAWING:
         DRAWING.pop().join()
 
@@ -116,7 +115,8 @@ def draw_detections(image, boxes, cls, conf=None, names=None, masks=None, width=
     if not cls:
         return image
     colors = [PALETTE[c % len(PALETTE)] for c in cls]
-    text = [_class_name(c, names) for c in cls]
+    # a class that names has no name for is shown by its number
+    text = [names[c] if names and c < len(names) else str(c) for c in cls]
     if conf is not None:
         text = [f"{name} {score:.2f}" for name, score in zip(text, conf)]
     if masks is not None:
@@ -125,13 +125,6 @@ def draw_detections(image, boxes, cls, conf=None, names=None, masks=None, width=
     if labels:
         image = draw_labels(image, boxes, text, colors)
     return image
-
-
-def _class_name(cls, names):
-    """Class cls's name in names, or its number where names has none."""
-    if names and cls < len(names):
-        return names[cls]
-    return str(cls)
 
 
 def draw_labels(image: torch.Tensor, boxes, text: list[str], colors: list[str]) -> torch.Tensor:
