@@ -70,8 +70,7 @@ def fit_anchors(wh: np.ndarray, num_anchors=9, threshold=4.0, gens=1000, seed=0)
     # multiplicative mutations, each kept when it improves the fitness.
     rng = np.random.default_rng(seed)
     # Boxes under 2 pixels teach nothing.
-    big_enough = (wh >= 2.0).any(1)
-    wh = wh[big_enough].astype(np.float64)
+    wh = wh[(wh >= 2.0).any(1)].astype(np.float64)
     if len(wh) < num_anchors:
         raise ValueError(
             f"AutoAnchor: {len(wh)} label boxes are too few to fit {num_anchors} anchors"
@@ -89,8 +88,8 @@ def fit_anchors(wh: np.ndarray, num_anchors=9, threshold=4.0, gens=1000, seed=0)
         if candidate_fitness > best:
             best = candidate_fitness
             anchors = candidate
-    by_area = np.argsort(anchors.prod(1))
-    return anchors[by_area].astype(np.float32)
+    # sorted by area
+    return anchors[np.argsort(anchors.prod(1))].astype(np.float32)
 
 
 def check_anchors(

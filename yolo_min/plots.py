@@ -92,8 +92,8 @@ def _targets(targets, i, image_wh):
     """Image i's targets of a batch's (N,6) [image, cls, cx, cy, w, h] normalised, for an image of
     image_wh (W, H) px -> boxes (n,4) xyxy px, classes [int], None (no confidences)."""
     mine = targets[targets[:, 0] == i].float().cpu()
-    width, height = image_wh
-    scale = torch.tensor([width, height, width, height])
+    # (W, H, W, H): the boxes' centres and sizes to pixels
+    scale = torch.tensor(image_wh * 2)
     boxes = xywh2xyxy(mine[:, 2:6] * scale)
     cls = mine[:, 1].long().tolist()
     return boxes, cls, None
@@ -103,8 +103,7 @@ def _instance_masks(masks, n, image_hw):
     """One image's n masks as bool (n,H,W) at its size image_hw (H, W), from an overlap index map
     (h,w) (k: the k-th target) or from bool masks (n,h,w)."""
     if masks.ndim == 2:
-        numbers = torch.arange(1, n + 1)[:, None, None]
-        masks = masks == numbers
+        masks = masks == torch.arange(1, n + 1)[:, None, None]
     resized = F.interpolate(masks[None].float(), size=image_hw, mode="nearest")
     return resized[0].bool()
 
