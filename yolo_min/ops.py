@@ -59,9 +59,12 @@ def non_max_suppression(
         keep = conf > conf_thres
         if classes is not None:
             keep &= torch.isin(j, torch.tensor(classes, device=j.device))
-        i, j, conf = i[keep], j[keep], conf[keep]
-        det = torch.cat((xywh2xyxy(x[i, :4]), conf[:, None], j[:, None].float(), x[i, 5 + nc :]), 1)
-        det = det[conf.argsort(descending=True)[:30000]]  # yolov5's max_nms
+        # yolov5's max_nms: the 30000 most confident pairs (only theirs are turned into rows)
+        top = keep.nonzero().squeeze(1)[conf[keep].argsort(descending=True)[:30000]]
+        i, j = i[top], j[top]
+        det = torch.cat(
+            (xywh2xyxy(x[i, :4]), scores[i, j, None], j[:, None].float(), x[i, 5 + nc :]), 1
+        )
         groups = torch.zeros_like(det[:, 5]) if agnostic else det[:, 5]
         keep = torchvision.ops.batched_nms(det[:, :4], det[:, 4], groups, iou_thres)
         out.append(det[keep[:max_det]])

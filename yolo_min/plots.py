@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +24,9 @@ MAX_IMAGES = 16
 MAX_SIZE = 1920
 # The gap between its images (pixels).
 PAD = 4
+# The threads of draw_later that finish_drawing has not yet waited for (yolov5 draws in threads
+# too). None is left when a loader forks its workers: fork copies no thread.
+DRAWING = []
 
 
 def draw_batch(images, targets=None, masks=None, *, fname, names=None, preds=None):
@@ -40,8 +44,7 @@ def draw_batch(images, targets=None, masks=None, *, fname, names=None, preds=Non
             boxes, cls, conf = _targets(targets, i, (width, height))
         instance_masks = None
         if masks is not None and cls:
-            image_masks = masks[i].cpu()
-            instance_masks = _instance_masks(image_masks, len(cls), (height, width))
+            instance_masks = _instance_masks(masks[i].cpu(), len(cls), (height, width))
         cell = draw_detections(
             images[i].cpu(),
             boxes,
@@ -63,6 +66,19 @@ def draw_batch(images, targets=None, masks=None, *, fname, names=None, preds=Non
     return path
 
 
+def draw_later(*args, **kwargs) -> None:
+    """draw_batch(*args, **kwargs) in a background thread, so that the run goes on meanwhile (an
+    error is printed, as of any thread, not raised); finish_drawing waits for it."""
+    DRAWING.append(threading.Thread(target=draw_batch, args=args, kwargs=kwargs))
+    DRAWING[-1].start()
+
+
+def finish_drawing() -> None:
+    """Wait until the pictures of draw_later are written."""
+    while DRAWING:
+        DRAWING.pop().join()
+
+
 def _predictions(pred):
     """One image's predictions (n,6+) -> boxes (n,4) xyxy px, classes [int], confidences [float]."""
     pred = pred.detach().float().cpu()
@@ -76,8 +92,8 @@ def _targets(targets, i, image_wh):
     """Image i's targets of a batch's (N,6) [image, cls, cx, cy, w, h] normalised, for an image of
     image_wh (W, H) px -> boxes (n,4) xyxy px, classes [int], None (no confidences)."""
     mine = targets[targets[:, 0] == i].float().cpu()
-    width, height = image_wh
-    scale = torch.tensor([width, height, width, height])
+    # (W, H, W, H): the boxes' centres and sizes to pixels
+    scale = torch.tensor(image_wh * 2)
     boxes = xywh2xyxy(mine[:, 2:6] * scale)
     cls = mine[:, 1].long().tolist()
     return boxes, cls, None
@@ -87,8 +103,7 @@ def _instance_masks(masks, n, image_hw):
     """One image's n masks as bool (n,H,W) at its size image_hw (H, W), from an overlap index map
     (h,w) (k: the k-th target) or from bool masks (n,h,w)."""
     if masks.ndim == 2:
-        numbers = torch.arange(1, n + 1)[:, None, None]
-        masks = masks == numbers
+        masks = masks == torch.arange(1, n + 1)[:, None, None]
     resized = F.interpolate(masks[None].float(), size=image_hw, mode="nearest")
     return resized[0].bool()
 
@@ -99,7 +114,8 @@ def draw_detections(image, boxes, cls, conf=None, names=None, masks=None, width=
     if not cls:
         return image
     colors = [PALETTE[c % len(PALETTE)] for c in cls]
-    text = [_class_name(c, names) for c in cls]
+    # a class that names has no name for is shown by its number
+    text = [names[c] if names and c < len(names) else str(c) for c in cls]
     if conf is not None:
         text = [f"{name} {score:.2f}" for name, score in zip(text, conf)]
     if masks is not None:
@@ -108,13 +124,6 @@ def draw_detections(image, boxes, cls, conf=None, names=None, masks=None, width=
     if labels:
         image = draw_labels(image, boxes, text, colors)
     return image
-
-
-def _class_name(cls, names):
-    """Class cls's name in names, or its number where names has none."""
-    if names and cls < len(names):
-        return names[cls]
-    return str(cls)
 
 
 def draw_labels(image: torch.Tensor, boxes, text: list[str], colors: list[str]) -> torch.Tensor:

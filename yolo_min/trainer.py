@@ -30,7 +30,7 @@ from .files import read_yaml
 from .losses import ClassifyLoss, YOLOLoss, scale_hyp
 from .metrics import KINDS, metric_names
 from .models import CFG_DIR, Model, ModelEMA, amp_dtype, de_parallel
-from .plots import draw_batch
+from .plots import draw_later, finish_drawing
 
 NOMINAL_BATCH = 64  # detection: gradients accumulate over this many images before a step
 HYP_FILES = {"classify": "hyp.cls.yaml"}  # no warmup, no accumulation; else hyp.scratch-low
@@ -364,7 +364,7 @@ def train_one_epoch(model, criterion, optimizer, scaler, ema, loader, epoch, arg
         mean = (mean * i + values) / (i + 1)
         if it == 0 and detect and dist.is_main():
             labels = (batch["images"], batch["targets"], batch["masks"])
-            draw_batch(*labels, fname=save_dir / "train_batch0.jpg", names=de_parallel(model).names)
+            draw_later(*labels, fname=save_dir / "train_batch0.jpg", names=de_parallel(model).names)
         if i == 0:
             t0 = time.time()  # the throughput leaves out the first batch (workers start)
         if dist.is_main() and ((i + 1) % args.log_every == 0 or i + 1 == n):
@@ -377,6 +377,8 @@ def train_one_epoch(model, criterion, optimizer, scaler, ema, loader, epoch, arg
             progress = f"epoch {epoch + 1}/{args.epochs} [{i + 1}/{n}]  {rate:.2f} it/s  eta {eta}"
             print(f"{progress}  {text}", flush=True)
     img_s = (n - 1) * args.batch_size / (time.time() - t0) if n > 1 else 0.0
+    # train_batch0.jpg is written before the epoch ends
+    finish_drawing()
     return dict(zip(items, mean.tolist())), img_s
 
 

@@ -135,6 +135,8 @@ def evaluate(model, loader, nms=VAL_NMS, plots_dir=None, save_json=None, coco_id
         if plots_dir is not None and batch_index < 3 and dist.is_main():
             prefix = Path(plots_dir) / f"val_batch{batch_index}"
             plot_batch(batch, dets, protos, prefix=prefix, names=model.names)
+    # The pictures drawn in the background are written before evaluate returns.
+    plots.finish_drawing()
     records = metrics.merge_records(dist.all_gather_object(records))
     if classify:
         results = metrics.summarize_classes(records)
@@ -202,14 +204,14 @@ def plot_batch(batch: dict, dets: list, protos, prefix: Path, names: list) -> No
     """A batch's labels and predictions (conf >= 0.25): prefix_labels.jpg, prefix_pred.jpg."""
     images = batch["images"]
     labels = f"{prefix}_labels.jpg"
-    plots.draw_batch(images, batch["targets"], batch["masks"], fname=labels, names=names)
+    plots.draw_later(images, batch["targets"], batch["masks"], fname=labels, names=names)
     preds = [det[det[:, 4] >= 0.25] for det in dets]
     masks = None
     if protos[0] is not None:
         input_hw = images.shape[2:]
         pairs = zip(protos, preds)
         masks = [ops.process_mask(q, p[:, 6:], p[:, :4], input_hw) for q, p in pairs]
-    plots.draw_batch(images, preds=preds, masks=masks, fname=f"{prefix}_pred.jpg", names=names)
+    plots.draw_later(images, preds=preds, masks=masks, fname=f"{prefix}_pred.jpg", names=names)
 
 
 def format_table(res: dict, names: list[str], verbose: bool = False) -> str:
