@@ -28,3 +28,15 @@ def test_a_run_returns_with_its_pictures(tmp_path, tiny):
     assert not plots.DRAWING
     for name in names:
         Image.open(run / name).verify()
+
+
+def test_a_picture_that_fails_is_one_warning_line(tmp_path, capsys):
+    images = torch.zeros(1, 3, 32, 32, dtype=torch.uint8)
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    # a folder cannot be made under a file
+    plots.draw_later(images, fname=blocker / "x.jpg")
+    plots.finish_drawing()
+    out = capsys.readouterr()
+    assert out.out.startswith(f"warning: {blocker / 'x.jpg'} not drawn: ")
+    assert out.out.count("\n") == 1 and not out.err

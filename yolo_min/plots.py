@@ -68,9 +68,16 @@ def draw_batch(images, targets=None, masks=None, *, fname, names=None, preds=Non
 
 def draw_later(*args, **kwargs) -> None:
     """draw_batch(*args, **kwargs) in a background thread, so that the run goes on meanwhile (an
-    error is printed, as of any thread, not raised); finish_drawing waits for it."""
-    DRAWING.append(threading.Thread(target=draw_batch, args=args, kwargs=kwargs))
+    error is a one-line warning, not raised); finish_drawing waits for it."""
+    DRAWING.append(threading.Thread(target=_draw_or_warn, args=args, kwargs=kwargs))
     DRAWING[-1].start()
+
+
+def _draw_or_warn(*args, **kwargs) -> None:
+    try:
+        draw_batch(*args, **kwargs)
+    except Exception as e:
+        print(f"warning: {kwargs.get('fname')} not drawn: {e}", flush=True)
 
 
 def finish_drawing() -> None:
