@@ -49,7 +49,7 @@ def preprocess(images: torch.Tensor, device: torch.device, normalize=False) -> t
     return x
 
 
-def score_image(dataset, index: int, det, shape, input_hw, protos=None, cat_ids=None) -> dict:
+def score_image(dataset, index: int, det, shape, input_hw, protos, cat_ids) -> dict:
     """metrics.image_record of det (n, 6+nm) [xyxy input px, conf, cls, coefs], shape (orig_hw,
     ratio_pad), protos (nm, H/4, W/4) or None; "json": COCO results if cat_ids (an id per class)."""
     gt = dataset.ground_truth(index)
@@ -108,7 +108,6 @@ def evaluate(model, loader, nms=VAL_NMS, plots_dir=None, save_json=None, coco_id
     classify = model.task == "classify"
     model.eval()
     records = []
-    seen = 0
     times = np.zeros(3)
     # the COCO category id of each class, for the json
     cat_ids = None
@@ -117,7 +116,6 @@ def evaluate(model, loader, nms=VAL_NMS, plots_dir=None, save_json=None, coco_id
     for batch_index, batch in enumerate(loader):
         dets, protos, seconds = infer(model, batch["images"], nms, amp)
         times += seconds
-        seen += len(dets)
         if classify:
             # top-k and the loss of each image
             logits = dets.cpu()
@@ -140,11 +138,9 @@ def evaluate(model, loader, nms=VAL_NMS, plots_dir=None, save_json=None, coco_id
         results = metrics.summarize_classes(records)
     else:
         results = metrics.summarize(records, metrics.KINDS[model.task])
-    # the mean over every rank's images: the same dict on every rank
-    timings = dist.all_gather_object((times, seen))
-    times = sum(rank_times for rank_times, _ in timings)
-    seen = sum(rank_seen for _, rank_seen in timings)
-    results["speed"] = dict(zip(STAGES, (times * 1000 / max(seen, 1)).tolist()))
+    # the mean over every rank's images (one record each): the same dict on every rank
+    times = sum(dist.all_gather_object(times))
+    results["speed"] = dict(zip(STAGES, (times * 1000 / max(len(records), 1)).tolist()))
     if save_json and dist.is_main():
         found = [result for record in records for result in record["json"]]
         Path(save_json).write_text(json.dumps(found))
