@@ -8,6 +8,7 @@ import hashlib
 import os
 import stat
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import NamedTuple
 
@@ -15,7 +16,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from .files import FileError, read_text
+from .files import FileError, read_text, replace_file
 from .ops import box_corners, xywh2xyxy, xyxy2xywh
 
 IMG_FORMATS = ("bmp", "jpeg", "jpg", "png", "tif", "tiff", "webp")
@@ -396,18 +397,15 @@ def _load_or_build(files: list, nc, prefix: str, verbose: bool) -> dict:
             if data["key"] == key:
                 return data
     data = dict(_verify_all(files, lb_files, nc), key=key)
-    # written whole, then renamed
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         # root ignores permission bits; a folder marked read-only is respected
         writable = os.access(path.parent, os.W_OK) and path.parent.stat().st_mode & 0o222
         if not writable:
             raise PermissionError(f"{path.parent} is not writable")
-        torch.save(data, tmp)
-        os.replace(tmp, path)
+        # written whole, then renamed
+        replace_file(path, partial(torch.save, data))
     except (OSError, RuntimeError) as e:
         # RuntimeError: torch's zip writer, e.g. disk full
-        tmp.unlink(missing_ok=True)
         if verbose:
             print(f"WARNING {prefix}label cache not saved to {path} ({e}): labels are re-verified")
     return data

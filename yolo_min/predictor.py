@@ -34,6 +34,7 @@ from . import dist, ops, plots
 from .checkpoint import next_run_dir
 from .cli import ConfigError, parse_kwargs
 from .datasets import to_rgb8
+from .files import replace_file
 from .labels import IMG_FORMATS, DataError
 from .models import amp_dtype, make_divisible
 from .safe_load import load_model
@@ -234,7 +235,7 @@ def one_line(e: Exception) -> str:
     return f"{type(e).__name__}: {first_line(e)}"
 
 
-def read(item: tuple, imgsz: int, stride: int, classify: bool = False) -> dict:
+def read(item: tuple, imgsz: int, stride: int, classify: bool) -> dict:
     """(index, a path, PIL image or uint8 (h, w, 3) RGB array) -> {"index", "path", "image"
     (decode's), "input" (letterboxed; classify: centre square), "ratio_pad", "warnings" (PIL's
     while decoding, each naming the image)} or {"index", "path", "error"}; it never raises."""
@@ -279,6 +280,7 @@ def by_shape(samples, batch_size: int):
     yield from pending.values()
 
 
+@torch.no_grad()
 def stream(model, images, imgsz=640, batch_size=1, workers=0, polygons=False, amp=None, **nms):
     """Yield a Model's results on images (see read), batched by shape, out of order: {"index",
     "path", "image", "names", "speed" (ms by STAGES), "warnings"} and "probs" (nc,), or "boxes"
@@ -288,67 +290,76 @@ def stream(model, images, imgsz=640, batch_size=1, workers=0, polygons=False, am
     warning is also issued as an ImageWarning."""
     was_training = model.training
     model.eval()
+    options = PREDICT_NMS | nms
     try:
-        yield from predict_batches(
-            model,
-            images,
-            nms=PREDICT_NMS | nms,
-            imgsz=imgsz,
-            batch_size=batch_size,
-            workers=workers,
-            polygons=polygons,
-            amp=amp,
-        )
+        stride = int(model.stride.max())
+        classify = model.task == "classify"
+        load = partial(read, imgsz=make_divisible(imgsz, stride), stride=stride, classify=classify)
+        # collate_fn: each item is decoded in the workers
+        items = list(enumerate(images))
+        # no more processes than there are CPUs or images (as training's loaders)
+        workers = min(workers, os.cpu_count() or 1, len(items))
+        loader = DataLoader(items, batch_size=None, num_workers=workers, collate_fn=load)
+        for group in by_shape(loader, batch_size):
+            if "error" in group[0]:
+                yield group[0]
+                continue
+            inputs = torch.stack([sample["input"] for sample in group])
+            dets, protos, seconds = infer(model, inputs, options, amp)
+            if classify:
+                # each image's class probabilities
+                dets = dets.softmax(1).cpu()
+            input_hw = inputs.shape[2:]
+            speed = seconds * 1000 / len(group)
+            for sample, det, proto in zip(group, dets, protos):
+                for note in sample["warnings"]:
+                    warnings.warn(note, ImageWarning, stacklevel=2)
+                try:
+                    if classify:
+                        found = dict(probs=det)
+                    else:
+                        found = to_original(
+                            det=det,
+                            protos=proto,
+                            sample=sample,
+                            input_hw=input_hw,
+                            polygons=polygons,
+                        )
+                    result = dict(
+                        index=sample["index"],
+                        path=sample["path"],
+                        image=sample["image"],
+                        names=model.names,
+                        speed=speed,
+                        warnings=sample["warnings"],
+                        **found,
+                    )
+                except Exception as e:
+                    # e.g. a mask or polygon of a degenerate image
+                    why = f"post-processing failed ({one_line(e)})"
+                    result = dict(index=sample["index"], path=sample["path"], error=why)
+                yield result
     finally:
         model.train(was_training)
 
 
-@torch.no_grad()
-def predict_batches(model, images, nms: dict, imgsz, batch_size, workers, polygons, amp):
-    """stream's results, from an eval-mode model."""
-    stride = int(model.stride.max())
-    classify = model.task == "classify"
-    load = partial(read, imgsz=make_divisible(imgsz, stride), stride=stride, classify=classify)
-    # collate_fn: each item is decoded in the workers
-    items = list(enumerate(images))
-    # no more processes than there are CPUs or images (as training's loaders)
-    workers = min(workers, os.cpu_count() or 1, len(items))
-    loader = DataLoader(items, batch_size=None, num_workers=workers, collate_fn=load)
-    for group in by_shape(loader, batch_size):
-        if "error" in group[0]:
-            yield group[0]
-            continue
-        inputs = torch.stack([sample["input"] for sample in group])
-        dets, protos, seconds = infer(model, inputs, nms, amp)
-        if classify:
-            # each image's class probabilities
-            dets = dets.softmax(1).cpu()
-        input_hw = inputs.shape[2:]
-        speed = seconds * 1000 / len(group)
-        for sample, det, proto in zip(group, dets, protos):
-            for note in sample["warnings"]:
-                warnings.warn(note, ImageWarning, stacklevel=2)
-            try:
-                if classify:
-                    found = dict(probs=det)
-                else:
-                    found = to_original(
-                        det=det, protos=proto, sample=sample, input_hw=input_hw, polygons=polygons
-                    )
-                result = dict(
-                    index=sample["index"],
-                    path=sample["path"],
-                    image=sample["image"],
-                    names=model.names,
-                    speed=speed,
-                    warnings=sample["warnings"],
-                )
-                result |= found
-            except Exception as e:
-                # e.g. a mask or polygon of a degenerate image
-                why = f"post-processing failed ({one_line(e)})"
-                result = dict(index=sample["index"], path=sample["path"], error=why)
-            yield result
+def stream_args(model, images, args: argparse.Namespace, amp):
+    """stream with predict.py's options (get_args_parser's; imgsz a multiple of the stride) and
+    amp, the autocast dtype (predict_amp's)."""
+    return stream(
+        model,
+        images,
+        imgsz=args.imgsz,
+        batch_size=args.batch_size,
+        workers=args.workers,
+        polygons=args.save_txt,
+        amp=amp,
+        conf_thres=args.conf_thres,
+        iou_thres=args.iou_thres,
+        max_det=args.max_det,
+        classes=args.classes,
+        agnostic=args.agnostic_nms,
+    )
 
 
 def to_original(det, protos, sample: dict, input_hw, polygons: bool) -> dict:
@@ -501,21 +512,9 @@ def check_run_folder(save_dir: Path, files: list[str], source: str) -> None:
         folder = os.path.realpath(os.path.dirname(os.path.abspath(file)))
         entry = Path(folder) / os.path.basename(file)
         target = Path(os.path.realpath(file))
-        if any(path == run or run in path.parents for path in (entry, target)):
+        if entry.is_relative_to(run) or target.is_relative_to(run):
             why = f"the run folder {save_dir} holds the source file {file}"
             raise ConfigError(f"--project/--name: {why}; predict into another folder")
-
-
-def replace_file(path: Path, write) -> None:
-    """write(a temporary file beside path), then rename it over path: a file or link already at
-    path is replaced, never written through, and no half-written file is left."""
-    # short, whatever path's length; one file at a time in a process
-    tmp = path.with_name(f".yolo_min-{os.getpid()}.tmp{path.suffix}")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def crop_box(box: list, width: int, height: int) -> list[int]:
@@ -660,20 +659,7 @@ def predict_share(model, args, info, files, stems, save_dir: Path, amp) -> Share
     with warnings.catch_warnings():
         # each is printed below, one line naming its image
         warnings.simplefilter("ignore", ImageWarning)
-        results = stream(
-            model,
-            files,
-            imgsz=args.imgsz,
-            batch_size=args.batch_size,
-            workers=args.workers,
-            polygons=args.save_txt,
-            amp=amp,
-            conf_thres=args.conf_thres,
-            iou_thres=args.iou_thres,
-            max_det=args.max_det,
-            classes=args.classes,
-            agnostic=args.agnostic_nms,
-        )
+        results = stream_args(model, files, args, amp)
         for done, result in enumerate(results, 1):
             # progress, every 10 s
             if info.rank == 0 and time.time() - last > 10 and done < len(files):
