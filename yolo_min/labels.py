@@ -149,28 +149,18 @@ class Walk:
             self.claimed.discard(key)
             self.seen.discard(key)
         found = []
-        todo = [str(root)]
-        while todo:
-            folder = todo.pop()
+        walk = os.walk(root, onerror=self._unreadable, followlinks=True)
+        for folder, subfolders, names in walk:
             if not self._first(os.stat(folder)):
+                # met before: not walked again
+                subfolders.clear()
                 continue
-            try:
-                with os.scandir(folder) as it:
-                    # by name: which of two paths to a file is kept does not depend on the disk
-                    entries = sorted(it, key=lambda e: e.name)
-            except OSError:
-                # an unreadable folder
-                self.others.append(folder)
-                continue
-            folders = []
-            for entry in entries:
-                kind = self._kind(entry)
-                if kind == "folder":
-                    folders.append(entry.path)
-                elif kind == "file":
-                    found.append(entry.path)
-            # the first by name is walked next
-            todo += reversed(folders)
+            # by name: which of two paths to a file is kept does not depend on the disk
+            subfolders.sort()
+            for name in sorted(names):
+                path = os.path.join(folder, name)
+                if self._is_new_file(path):
+                    found.append(path)
         return [str(f) for f in sorted(map(Path, found))]
 
     def _first(self, st: os.stat_result) -> bool:
@@ -182,20 +172,24 @@ class Walk:
         self.seen.add(key)
         return True
 
-    def _kind(self, entry: os.DirEntry) -> str | None:
-        """The entry's kind: "folder", "file" (regular, met for the first time) or None."""
+    def _is_new_file(self, path: str) -> bool:
+        """Whether path is a regular file (through links) met for the first time; what is no
+        regular file (or a broken link) is counted among the others."""
         try:
-            # through links
-            st = entry.stat()
+            st = os.stat(path)
         except OSError:
-            self.others.append(entry.path)
-            return None
-        if stat.S_ISDIR(st.st_mode):
-            return "folder"
+            self.others.append(path)
+            return False
         if not stat.S_ISREG(st.st_mode):
-            self.others.append(entry.path)
-            return None
-        return "file" if self._first(st) else None
+            self.others.append(path)
+            return False
+        return self._first(st)
+
+    def _unreadable(self, error: OSError) -> None:
+        """os.walk's onerror: a folder it cannot list, counted once among the others (a folder met
+        before: a repeat)."""
+        if self._first(os.stat(error.filename)):
+            self.others.append(error.filename)
 
     def warn(self, prefix: str = "") -> None:
         """One warning line per kind of skipped entry."""
