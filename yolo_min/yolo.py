@@ -174,7 +174,7 @@ class YOLO:
         """Write the model as a checkpoint that val.py, predict.py and YOLO(path) load (on rank 0
         only under torchrun; atomically)."""
         model = self._model()
-        weights = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+        weights = checkpoint.cpu_state(model.state_dict())
         state = dict(model_cfg=model.yaml, names=list(model.names), task=model.task, model=weights)
         if dist.env_rank() == 0:
             checkpoint.save(state, path)
