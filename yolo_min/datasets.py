@@ -446,8 +446,8 @@ def collate(samples: list[dict]) -> dict:
 def shard_batches(
     n: int,
     batch_size: int,
-    rank: int = 0,
-    world_size: int = 1,
+    rank: int,
+    world_size: int,
 ) -> list[list[int]]:
     """This rank's validation batches: consecutive batches dealt round-robin, none padded."""
     starts = range(rank * batch_size, n, world_size * batch_size)
