@@ -148,7 +148,7 @@ def evaluate(model, loader, nms=VAL_NMS, plots_dir=None, save_json=None, coco_id
     return results
 
 
-def infer(model, images: torch.Tensor, nms: dict, amp=None) -> tuple:
+def infer(model, images: torch.Tensor, nms: dict, amp) -> tuple:
     """An eval-mode Model on uint8 images (bs, 3, H, W) -> (float logits (bs, nc) of a classifier,
     else NMS's detections per image; each image's prototypes (nm, H/4, W/4) or None; seconds)."""
     device = next(model.parameters()).device
@@ -208,7 +208,7 @@ def plot_batch(batch: dict, dets: list, protos, prefix: Path, names: list) -> No
     plots.draw_batch(images, preds=preds, masks=masks, fname=f"{prefix}_pred.jpg", names=names)
 
 
-def format_table(res: dict, names: list[str], verbose: bool = False) -> str:
+def format_table(res: dict, names: list[str], verbose: bool) -> str:
     """yolov5-style results table: all classes (and each class with verbose)."""
     # classify: images only
     counts = [c for c in ("images", "instances") if c in res]
