@@ -191,7 +191,7 @@ class Walk:
         if self._first(os.stat(error.filename)):
             self.others.append(error.filename)
 
-    def warn(self, prefix: str = "") -> None:
+    def warn(self, prefix: str) -> None:
         """One warning line per kind of skipped entry."""
         if self.repeats:
             why = "link(s) to a folder or file met before skipped (each file is read once)"
