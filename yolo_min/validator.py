@@ -208,7 +208,7 @@ def plot_batch(batch: dict, dets: list, protos, prefix: Path, names: list) -> No
     plots.draw_batch(images, preds=preds, masks=masks, fname=f"{prefix}_pred.jpg", names=names)
 
 
-def format_table(res: dict, names: list[str], verbose: bool) -> str:
+def format_table(res: dict, names: list[str], verbose: bool = False) -> str:
     """yolov5-style results table: all classes (and each class with verbose)."""
     # classify: images only
     counts = [c for c in ("images", "instances") if c in res]
