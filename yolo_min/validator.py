@@ -63,8 +63,11 @@ def score_image(dataset, index: int, det, shape, input_hw, protos, cat_ids) -> d
         stem = Path(dataset.im_files[index]).stem
         image_id = int(stem) if stem.isnumeric() else stem
         top_left = boxes[:, :2]
-        xywh = torch.cat((top_left, boxes[:, 2:] - top_left), 1).cpu().tolist()
-        for box, score, cls in zip(xywh, det[:, 4].tolist(), det[:, 5].tolist()):
+        size = boxes[:, 2:] - top_left
+        xywh = torch.cat((top_left, size), 1).cpu().tolist()
+        scores = det[:, 4].tolist()
+        classes = det[:, 5].tolist()
+        for box, score, cls in zip(xywh, scores, classes):
             result = {
                 "image_id": image_id,
                 "category_id": cat_ids[int(cls)],
@@ -140,7 +143,8 @@ def evaluate(model, loader, nms=VAL_NMS, plots_dir=None, save_json=None, coco_id
         results = metrics.summarize(records, metrics.KINDS[model.task])
     # the mean over every rank's images (one record each): the same dict on every rank
     times = sum(dist.all_gather_object(times))
-    results["speed"] = dict(zip(STAGES, (times * 1000 / max(len(records), 1)).tolist()))
+    per_image_ms = times * 1000 / max(len(records), 1)
+    results["speed"] = dict(zip(STAGES, per_image_ms.tolist()))
     if save_json and dist.is_main():
         found = [result for record in records for result in record["json"]]
         Path(save_json).write_text(json.dumps(found))
