@@ -73,7 +73,8 @@ def find_images(source: str) -> list[str]:
     elif path.is_file():
         files = [source]
     elif path.is_dir():
-        files = sorted(glob.glob(str(Path(glob.escape(source)) / "*")))
+        pattern = Path(glob.escape(source)) / "*"
+        files = sorted(glob.glob(str(pattern)))
     else:
         files = sorted(expand_glob(source))
     images = [f for f in files if f.rpartition(".")[2].lower() in IMG_FORMATS]
@@ -103,7 +104,9 @@ def expand_glob(pattern: str) -> list[str]:
     # a trailing `**`: everything in each folder
     rest = os.path.join(*below) if below else "*"
     # a leading `**`: the folders of the working directory
-    roots = glob.glob(str(Path(*parts[:cut]))) if cut else [""]
+    roots = [""]
+    if cut:
+        roots = glob.glob(str(Path(*parts[:cut])))
     found = []
     for root in roots:
         for folder in walk_once(root):
@@ -181,7 +184,9 @@ def letterbox(image: torch.Tensor, imgsz: int, stride: int) -> tuple[torch.Tenso
         x = TF.resize(x, [h, w], antialias=False)
     top = round((H - h) / 2 - 0.1)
     left = round((W - w) / 2 - 0.1)
-    canvas = TF.pad(x, [left, top, W - w - left, H - h - top], fill=114)
+    right = W - w - left
+    bottom = H - h - top
+    canvas = TF.pad(x, [left, top, right, bottom], fill=114)
     # the padding as yolov5's scale_boxes takes it
     pad = ((W - w0 * r) / 2, (H - h0 * r) / 2)
     return canvas, ((r, r), pad)
@@ -251,7 +256,8 @@ def read(item: tuple, imgsz: int, stride: int, classify: bool) -> dict:
     try:
         if classify:
             # as ClassifyDataset's validation input, with no boxes to map back
-            square = TF.center_crop(image.permute(2, 0, 1), min(image.shape[:2]))
+            planes = image.permute(2, 0, 1)
+            square = TF.center_crop(planes, min(image.shape[:2]))
             canvas = TF.resize(square, [imgsz, imgsz])
             ratio_pad = None
         else:
@@ -368,7 +374,8 @@ def to_original(det, protos, sample: dict, input_hw, polygons: bool) -> dict:
     ratio_pad = sample["ratio_pad"]
     # whole pixels, as yolov5
     boxes = ops.scale_boxes(det[:, :4], ratio_pad, (h, w)).round()
-    out = dict(boxes=torch.cat((boxes, det[:, 4:6]), 1).cpu(), masks=None)
+    rows = torch.cat((boxes, det[:, 4:6]), 1).cpu()
+    out = dict(boxes=rows, masks=None)
     if protos is None:
         return out
     masks = ops.process_mask(protos, coefs=det[:, 6:], boxes=det[:, :4], input_hw=input_hw)
@@ -407,7 +414,8 @@ def draw(result: dict, line_width=None, labels=True, conf=True) -> Image.Image:
     image = result["image"].permute(2, 0, 1)
     boxes = result["boxes"]
     # by default 0.3% of the mean side, at least 2 pixels (yolov5's)
-    width = line_width or max(round(sum(image.shape[1:]) / 2 * 0.003), 2)
+    mean_side = sum(image.shape[1:]) / 2
+    width = line_width or max(round(mean_side * 0.003), 2)
     scores = boxes[:, 4].tolist() if conf else None
     drawn = plots.draw_detections(
         image,
@@ -622,7 +630,8 @@ def main(args: argparse.Namespace) -> dict:
         skipped = len(files) - seen
         detections = sum(part.detections for part in shares)
         summed = sum(part.speed for part in shares)
-        speed = dict(zip(STAGES, (summed / max(seen, 1)).tolist()))
+        mean = summed / max(seen, 1)
+        speed = dict(zip(STAGES, mean.tolist()))
         if info.rank == 0:
             if args.save_json:
                 # each entry keyed by its file's place in the source
