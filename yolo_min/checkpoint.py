@@ -31,7 +31,7 @@ class SaveError(RuntimeError):
     """A checkpoint could not be written (a full disk, ...); the previous one is intact."""
 
 
-def next_run_dir(project: str | Path, name: str, exist_ok: bool = False) -> Path:
+def next_run_dir(project: str | Path, name: str, exist_ok: bool) -> Path:
     """project/name, or the first free project/name2, name3, ... (project/name with exist_ok)."""
     path = Path(project) / name
     n = 2
@@ -89,11 +89,10 @@ def make_run_dir(args, hyp: dict, run_id: str | None, need_bytes: int) -> Path:
 
 
 def restore_results(ckpt: dict, run: Path) -> None:
-    """results.csv as the checkpoint saved it (the rows of the epochs it holds), if it holds one:
-    a crash between the checkpoint and its row loses no row."""
-    text = ckpt.get("results_csv")
-    if isinstance(text, str):
-        (run / "results.csv").write_text(text)
+    """results.csv as the checkpoint (checked by `load`: a str if there) saved it (the rows of the
+    epochs it holds), if it holds one: a crash between the checkpoint and its row loses no row."""
+    if "results_csv" in ckpt:
+        (run / "results.csv").write_text(ckpt["results_csv"])
 
 
 def find_resume(args, run_id: str | None) -> tuple[str, dict] | None:
@@ -275,9 +274,9 @@ def training_state(model, ema, optimizer, scaler, epoch, best, args, hyp, rngs) 
         model_cfg=model.yaml,
         names=list(model.names),
         task=model.task,
-        model=_cpu(model.state_dict()),
-        ema=_cpu(ema.ema.state_dict()),
-        optimizer=_cpu(optimizer.state_dict()),
+        model=cpu_state(model.state_dict()),
+        ema=cpu_state(ema.ema.state_dict()),
+        optimizer=cpu_state(optimizer.state_dict()),
         scaler=scaler.state_dict(),
         ema_updates=ema.updates,
         epoch=epoch,
@@ -289,12 +288,12 @@ def training_state(model, ema, optimizer, scaler, epoch, best, args, hyp, rngs) 
     )
 
 
-def _cpu(state: dict) -> dict:
+def cpu_state(state: dict) -> dict:
     """A (nested) state_dict with its tensors on the CPU."""
     cpu = {}
     for key, value in state.items():
         if isinstance(value, dict):
-            value = _cpu(value)
+            value = cpu_state(value)
         elif torch.is_tensor(value):
             value = value.cpu()
         cpu[key] = value

@@ -49,13 +49,13 @@ def check_value(action: argparse.Action, name: str, value):
         # --resume: True (the newest run), False, or a path
         expected = "True, False or a path"
         ok = isinstance(value, (bool, str, os.PathLike))
-    elif action.nargs in ("+", "*"):
+    elif action.nargs == "+":
         expected = f"a list of {kind.__name__}"
         # "+": one value at least
         ok = (
             isinstance(value, (list, tuple))
             and all(is_kind(v, kind) for v in value)
-            and (len(value) > 0 or action.nargs == "*")
+            and len(value) > 0
         )
     else:
         expected = kind.__name__

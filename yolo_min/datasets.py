@@ -208,21 +208,23 @@ class YOLODataset(Dataset):
         h0, w0 = self.labels[i]["shape"]
         if self._ram:
             image = self._ram[i]
-            return image, (image.shape[1] / w0, image.shape[0] / h0)
-        try:
-            im = Image.open(path)
-            if scale < 1:
-                im.draft("RGB", (math.ceil(im.width * scale), math.ceil(im.height * scale)))
-            # 0x0112: the EXIF orientation tag; 1: as stored
-            if im.getexif().get(0x0112, 1) != 1:
-                im = ImageOps.exif_transpose(im)
-            im = to_rgb8(im)
-            if wh:
-                im = im.resize(wh, Image.Resampling.BILINEAR)
-        except Exception as e:
-            raise DataError(f"{path}: unreadable now ({e}); it changed after verification") from e
-        resized_by = (im.width / w0, im.height / h0)
-        return torch.from_numpy(np.array(im)), resized_by
+        else:
+            try:
+                im = Image.open(path)
+                if scale < 1:
+                    im.draft("RGB", (math.ceil(im.width * scale), math.ceil(im.height * scale)))
+                # 0x0112: the EXIF orientation tag; 1: as stored
+                if im.getexif().get(0x0112, 1) != 1:
+                    im = ImageOps.exif_transpose(im)
+                im = to_rgb8(im)
+                if wh:
+                    im = im.resize(wh, Image.Resampling.BILINEAR)
+            except Exception as e:
+                changed = "it changed after verification"
+                raise DataError(f"{path}: unreadable now ({e}); {changed}") from e
+            image = torch.from_numpy(np.array(im))
+        resized_by = (image.shape[1] / w0, image.shape[0] / h0)
+        return image, resized_by
 
     def _letterbox(self, i):
         """-> ([Piece], canvas (w, h)): image i scaled to fit the input shape, centred."""
@@ -467,8 +469,8 @@ def collate(samples: list[dict]) -> dict:
 def shard_batches(
     n: int,
     batch_size: int,
-    rank: int = 0,
-    world_size: int = 1,
+    rank: int,
+    world_size: int,
 ) -> list[list[int]]:
     """This rank's validation batches: consecutive batches dealt round-robin, none padded."""
     starts = range(rank * batch_size, n, world_size * batch_size)

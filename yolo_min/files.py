@@ -94,3 +94,15 @@ def read_yaml(path: str | Path, what: str = ""):
         first = lines[0] if lines else type(e).__name__
         name = f"{what} {path}".strip()
         raise FileError(f"{name}: not valid YAML ({first[:200]})") from None
+
+
+def replace_file(path: Path, write) -> None:
+    """write(a temporary file beside path), then rename it over path: a file or link already at
+    path is replaced, never written through, and no half-written file is left."""
+    # short, whatever path's length; one file at a time in a process
+    tmp = path.with_name(f".yolo_min-{os.getpid()}.tmp{path.suffix}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)

@@ -8,6 +8,7 @@ import hashlib
 import os
 import stat
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import NamedTuple
 
@@ -15,7 +16,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from .files import FileError, read_text
+from .files import FileError, read_text, replace_file
 from .ops import box_corners, xywh2xyxy, xyxy2xywh
 
 IMG_FORMATS = ("bmp", "jpeg", "jpg", "png", "tif", "tiff", "webp")
@@ -148,28 +149,18 @@ class Walk:
             self.claimed.discard(key)
             self.seen.discard(key)
         found = []
-        todo = [str(root)]
-        while todo:
-            folder = todo.pop()
+        walk = os.walk(root, onerror=self._unreadable, followlinks=True)
+        for folder, subfolders, names in walk:
             if not self._first(os.stat(folder)):
+                # met before: not walked again
+                subfolders.clear()
                 continue
-            try:
-                with os.scandir(folder) as it:
-                    # by name: which of two paths to a file is kept does not depend on the disk
-                    entries = sorted(it, key=lambda e: e.name)
-            except OSError:
-                # an unreadable folder
-                self.others.append(folder)
-                continue
-            folders = []
-            for entry in entries:
-                kind = self._kind(entry)
-                if kind == "folder":
-                    folders.append(entry.path)
-                elif kind == "file":
-                    found.append(entry.path)
-            # the first by name is walked next
-            todo += reversed(folders)
+            # by name: which of two paths to a file is kept does not depend on the disk
+            subfolders.sort()
+            for name in sorted(names):
+                path = os.path.join(folder, name)
+                if self._is_new_file(path):
+                    found.append(path)
         return [str(f) for f in sorted(map(Path, found))]
 
     def _first(self, st: os.stat_result) -> bool:
@@ -181,22 +172,26 @@ class Walk:
         self.seen.add(key)
         return True
 
-    def _kind(self, entry: os.DirEntry) -> str | None:
-        """The entry's kind: "folder", "file" (regular, met for the first time) or None."""
+    def _is_new_file(self, path: str) -> bool:
+        """Whether path is a regular file (through links) met for the first time; what is no
+        regular file (or a broken link) is counted among the others."""
         try:
-            # through links
-            st = entry.stat()
+            st = os.stat(path)
         except OSError:
-            self.others.append(entry.path)
-            return None
-        if stat.S_ISDIR(st.st_mode):
-            return "folder"
+            self.others.append(path)
+            return False
         if not stat.S_ISREG(st.st_mode):
-            self.others.append(entry.path)
-            return None
-        return "file" if self._first(st) else None
+            self.others.append(path)
+            return False
+        return self._first(st)
 
-    def warn(self, prefix: str = "") -> None:
+    def _unreadable(self, error: OSError) -> None:
+        """os.walk's onerror: a folder it cannot list, counted once among the others (a folder met
+        before: a repeat)."""
+        if self._first(os.stat(error.filename)):
+            self.others.append(error.filename)
+
+    def warn(self, prefix: str) -> None:
         """One warning line per kind of skipped entry."""
         if self.repeats:
             why = "link(s) to a folder or file met before skipped (each file is read once)"
@@ -396,18 +391,15 @@ def _load_or_build(files: list, nc, prefix: str, verbose: bool) -> dict:
             if data["key"] == key:
                 return data
     data = dict(_verify_all(files, lb_files, nc), key=key)
-    # written whole, then renamed
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         # root ignores permission bits; a folder marked read-only is respected
         writable = os.access(path.parent, os.W_OK) and path.parent.stat().st_mode & 0o222
         if not writable:
             raise PermissionError(f"{path.parent} is not writable")
-        torch.save(data, tmp)
-        os.replace(tmp, path)
+        # written whole, then renamed
+        replace_file(path, partial(torch.save, data))
     except (OSError, RuntimeError) as e:
         # RuntimeError: torch's zip writer, e.g. disk full
-        tmp.unlink(missing_ok=True)
         if verbose:
             print(f"WARNING {prefix}label cache not saved to {path} ({e}): labels are re-verified")
     return data

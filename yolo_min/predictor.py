@@ -34,6 +34,7 @@ from . import dist, ops, plots
 from .checkpoint import next_run_dir
 from .cli import ConfigError, parse_kwargs
 from .datasets import to_rgb8
+from .files import replace_file
 from .labels import IMG_FORMATS, DataError
 from .models import amp_dtype, make_divisible
 from .safe_load import load_model
@@ -72,7 +73,8 @@ def find_images(source: str) -> list[str]:
     elif path.is_file():
         files = [source]
     elif path.is_dir():
-        files = sorted(glob.glob(str(Path(glob.escape(source)) / "*")))
+        pattern = Path(glob.escape(source)) / "*"
+        files = sorted(glob.glob(str(pattern)))
     else:
         files = sorted(expand_glob(source))
     images = [f for f in files if f.rpartition(".")[2].lower() in IMG_FORMATS]
@@ -102,7 +104,9 @@ def expand_glob(pattern: str) -> list[str]:
     # a trailing `**`: everything in each folder
     rest = os.path.join(*below) if below else "*"
     # a leading `**`: the folders of the working directory
-    roots = glob.glob(str(Path(*parts[:cut]))) if cut else [""]
+    roots = [""]
+    if cut:
+        roots = glob.glob(str(Path(*parts[:cut])))
     found = []
     for root in roots:
         for folder in walk_once(root):
@@ -180,7 +184,9 @@ def letterbox(image: torch.Tensor, imgsz: int, stride: int) -> tuple[torch.Tenso
         x = TF.resize(x, [h, w], antialias=False)
     top = round((H - h) / 2 - 0.1)
     left = round((W - w) / 2 - 0.1)
-    canvas = TF.pad(x, [left, top, W - w - left, H - h - top], fill=114)
+    right = W - w - left
+    bottom = H - h - top
+    canvas = TF.pad(x, [left, top, right, bottom], fill=114)
     # the padding as yolov5's scale_boxes takes it
     pad = ((W - w0 * r) / 2, (H - h0 * r) / 2)
     return canvas, ((r, r), pad)
@@ -234,7 +240,7 @@ def one_line(e: Exception) -> str:
     return f"{type(e).__name__}: {first_line(e)}"
 
 
-def read(item: tuple, imgsz: int, stride: int, classify: bool = False) -> dict:
+def read(item: tuple, imgsz: int, stride: int, classify: bool) -> dict:
     """(index, a path, PIL image or uint8 (h, w, 3) RGB array) -> {"index", "path", "image"
     (decode's), "input" (letterboxed; classify: centre square), "ratio_pad", "warnings" (PIL's
     while decoding, each naming the image)} or {"index", "path", "error"}; it never raises."""
@@ -250,7 +256,8 @@ def read(item: tuple, imgsz: int, stride: int, classify: bool = False) -> dict:
     try:
         if classify:
             # as ClassifyDataset's validation input, with no boxes to map back
-            square = TF.center_crop(image.permute(2, 0, 1), min(image.shape[:2]))
+            planes = image.permute(2, 0, 1)
+            square = TF.center_crop(planes, min(image.shape[:2]))
             canvas = TF.resize(square, [imgsz, imgsz])
             ratio_pad = None
         else:
@@ -279,6 +286,7 @@ def by_shape(samples, batch_size: int):
     yield from pending.values()
 
 
+@torch.no_grad()
 def stream(model, images, imgsz=640, batch_size=1, workers=0, polygons=False, amp=None, **nms):
     """Yield a Model's results on images (see read), batched by shape, out of order: {"index",
     "path", "image", "names", "speed" (ms by STAGES), "warnings"} and "probs" (nc,), or "boxes"
@@ -288,67 +296,76 @@ def stream(model, images, imgsz=640, batch_size=1, workers=0, polygons=False, am
     warning is also issued as an ImageWarning."""
     was_training = model.training
     model.eval()
+    options = PREDICT_NMS | nms
     try:
-        yield from predict_batches(
-            model,
-            images,
-            nms=PREDICT_NMS | nms,
-            imgsz=imgsz,
-            batch_size=batch_size,
-            workers=workers,
-            polygons=polygons,
-            amp=amp,
-        )
+        stride = int(model.stride.max())
+        classify = model.task == "classify"
+        load = partial(read, imgsz=make_divisible(imgsz, stride), stride=stride, classify=classify)
+        # collate_fn: each item is decoded in the workers
+        items = list(enumerate(images))
+        # no more processes than there are CPUs or images (as training's loaders)
+        workers = min(workers, os.cpu_count() or 1, len(items))
+        loader = DataLoader(items, batch_size=None, num_workers=workers, collate_fn=load)
+        for group in by_shape(loader, batch_size):
+            if "error" in group[0]:
+                yield group[0]
+                continue
+            inputs = torch.stack([sample["input"] for sample in group])
+            dets, protos, seconds = infer(model, inputs, options, amp)
+            if classify:
+                # each image's class probabilities
+                dets = dets.softmax(1).cpu()
+            input_hw = inputs.shape[2:]
+            speed = seconds * 1000 / len(group)
+            for sample, det, proto in zip(group, dets, protos):
+                for note in sample["warnings"]:
+                    warnings.warn(note, ImageWarning, stacklevel=2)
+                try:
+                    if classify:
+                        found = dict(probs=det)
+                    else:
+                        found = to_original(
+                            det=det,
+                            protos=proto,
+                            sample=sample,
+                            input_hw=input_hw,
+                            polygons=polygons,
+                        )
+                    result = dict(
+                        index=sample["index"],
+                        path=sample["path"],
+                        image=sample["image"],
+                        names=model.names,
+                        speed=speed,
+                        warnings=sample["warnings"],
+                        **found,
+                    )
+                except Exception as e:
+                    # e.g. a mask or polygon of a degenerate image
+                    why = f"post-processing failed ({one_line(e)})"
+                    result = dict(index=sample["index"], path=sample["path"], error=why)
+                yield result
     finally:
         model.train(was_training)
 
 
-@torch.no_grad()
-def predict_batches(model, images, nms: dict, imgsz, batch_size, workers, polygons, amp):
-    """stream's results, from an eval-mode model."""
-    stride = int(model.stride.max())
-    classify = model.task == "classify"
-    load = partial(read, imgsz=make_divisible(imgsz, stride), stride=stride, classify=classify)
-    # collate_fn: each item is decoded in the workers
-    items = list(enumerate(images))
-    # no more processes than there are CPUs or images (as training's loaders)
-    workers = min(workers, os.cpu_count() or 1, len(items))
-    loader = DataLoader(items, batch_size=None, num_workers=workers, collate_fn=load)
-    for group in by_shape(loader, batch_size):
-        if "error" in group[0]:
-            yield group[0]
-            continue
-        inputs = torch.stack([sample["input"] for sample in group])
-        dets, protos, seconds = infer(model, inputs, nms, amp)
-        if classify:
-            # each image's class probabilities
-            dets = dets.softmax(1).cpu()
-        input_hw = inputs.shape[2:]
-        speed = seconds * 1000 / len(group)
-        for sample, det, proto in zip(group, dets, protos):
-            for note in sample["warnings"]:
-                warnings.warn(note, ImageWarning, stacklevel=2)
-            try:
-                if classify:
-                    found = dict(probs=det)
-                else:
-                    found = to_original(
-                        det=det, protos=proto, sample=sample, input_hw=input_hw, polygons=polygons
-                    )
-                result = dict(
-                    index=sample["index"],
-                    path=sample["path"],
-                    image=sample["image"],
-                    names=model.names,
-                    speed=speed,
-                    warnings=sample["warnings"],
-                )
-                result |= found
-            except Exception as e:
-                # e.g. a mask or polygon of a degenerate image
-                why = f"post-processing failed ({one_line(e)})"
-                result = dict(index=sample["index"], path=sample["path"], error=why)
-            yield result
+def stream_args(model, images, args: argparse.Namespace, amp):
+    """stream with predict.py's options (get_args_parser's; imgsz a multiple of the stride) and
+    amp, the autocast dtype (predict_amp's)."""
+    return stream(
+        model,
+        images,
+        imgsz=args.imgsz,
+        batch_size=args.batch_size,
+        workers=args.workers,
+        polygons=args.save_txt,
+        amp=amp,
+        conf_thres=args.conf_thres,
+        iou_thres=args.iou_thres,
+        max_det=args.max_det,
+        classes=args.classes,
+        agnostic=args.agnostic_nms,
+    )
 
 
 def to_original(det, protos, sample: dict, input_hw, polygons: bool) -> dict:
@@ -357,7 +374,8 @@ def to_original(det, protos, sample: dict, input_hw, polygons: bool) -> dict:
     ratio_pad = sample["ratio_pad"]
     # whole pixels, as yolov5
     boxes = ops.scale_boxes(det[:, :4], ratio_pad, (h, w)).round()
-    out = dict(boxes=torch.cat((boxes, det[:, 4:6]), 1).cpu(), masks=None)
+    rows = torch.cat((boxes, det[:, 4:6]), 1).cpu()
+    out = dict(boxes=rows, masks=None)
     if protos is None:
         return out
     masks = ops.process_mask(protos, coefs=det[:, 6:], boxes=det[:, :4], input_hw=input_hw)
@@ -396,7 +414,8 @@ def draw(result: dict, line_width=None, labels=True, conf=True) -> Image.Image:
     image = result["image"].permute(2, 0, 1)
     boxes = result["boxes"]
     # by default 0.3% of the mean side, at least 2 pixels (yolov5's)
-    width = line_width or max(round(sum(image.shape[1:]) / 2 * 0.003), 2)
+    mean_side = sum(image.shape[1:]) / 2
+    width = line_width or max(round(mean_side * 0.003), 2)
     scores = boxes[:, 4].tolist() if conf else None
     drawn = plots.draw_detections(
         image,
@@ -501,21 +520,9 @@ def check_run_folder(save_dir: Path, files: list[str], source: str) -> None:
         folder = os.path.realpath(os.path.dirname(os.path.abspath(file)))
         entry = Path(folder) / os.path.basename(file)
         target = Path(os.path.realpath(file))
-        if any(path == run or run in path.parents for path in (entry, target)):
+        if entry.is_relative_to(run) or target.is_relative_to(run):
             why = f"the run folder {save_dir} holds the source file {file}"
             raise ConfigError(f"--project/--name: {why}; predict into another folder")
-
-
-def replace_file(path: Path, write) -> None:
-    """write(a temporary file beside path), then rename it over path: a file or link already at
-    path is replaced, never written through, and no half-written file is left."""
-    # short, whatever path's length; one file at a time in a process
-    tmp = path.with_name(f".yolo_min-{os.getpid()}.tmp{path.suffix}")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def crop_box(box: list, width: int, height: int) -> list[int]:
@@ -623,7 +630,8 @@ def main(args: argparse.Namespace) -> dict:
         skipped = len(files) - seen
         detections = sum(part.detections for part in shares)
         summed = sum(part.speed for part in shares)
-        speed = dict(zip(STAGES, (summed / max(seen, 1)).tolist()))
+        mean = summed / max(seen, 1)
+        speed = dict(zip(STAGES, mean.tolist()))
         if info.rank == 0:
             if args.save_json:
                 # each entry keyed by its file's place in the source
@@ -660,20 +668,7 @@ def predict_share(model, args, info, files, stems, save_dir: Path, amp) -> Share
     with warnings.catch_warnings():
         # each is printed below, one line naming its image
         warnings.simplefilter("ignore", ImageWarning)
-        results = stream(
-            model,
-            files,
-            imgsz=args.imgsz,
-            batch_size=args.batch_size,
-            workers=args.workers,
-            polygons=args.save_txt,
-            amp=amp,
-            conf_thres=args.conf_thres,
-            iou_thres=args.iou_thres,
-            max_det=args.max_det,
-            classes=args.classes,
-            agnostic=args.agnostic_nms,
-        )
+        results = stream_args(model, files, args, amp)
         for done, result in enumerate(results, 1):
             # progress, every 10 s
             if info.rank == 0 and time.time() - last > 10 and done < len(files):

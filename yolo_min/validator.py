@@ -49,7 +49,7 @@ def preprocess(images: torch.Tensor, device: torch.device, normalize=False) -> t
     return x
 
 
-def score_image(dataset, index: int, det, shape, input_hw, protos=None, cat_ids=None) -> dict:
+def score_image(dataset, index: int, det, shape, input_hw, protos, cat_ids) -> dict:
     """metrics.image_record of det (n, 6+nm) [xyxy input px, conf, cls, coefs], shape (orig_hw,
     ratio_pad), protos (nm, H/4, W/4) or None; "json": COCO results if cat_ids (an id per class)."""
     gt = dataset.ground_truth(index)
@@ -63,8 +63,11 @@ def score_image(dataset, index: int, det, shape, input_hw, protos=None, cat_ids=
         stem = Path(dataset.im_files[index]).stem
         image_id = int(stem) if stem.isnumeric() else stem
         top_left = boxes[:, :2]
-        xywh = torch.cat((top_left, boxes[:, 2:] - top_left), 1).cpu().tolist()
-        for box, score, cls in zip(xywh, det[:, 4].tolist(), det[:, 5].tolist()):
+        size = boxes[:, 2:] - top_left
+        xywh = torch.cat((top_left, size), 1).cpu().tolist()
+        scores = det[:, 4].tolist()
+        classes = det[:, 5].tolist()
+        for box, score, cls in zip(xywh, scores, classes):
             result = {
                 "image_id": image_id,
                 "category_id": cat_ids[int(cls)],
@@ -108,7 +111,6 @@ def evaluate(model, loader, nms=VAL_NMS, plots_dir=None, save_json=None, coco_id
     classify = model.task == "classify"
     model.eval()
     records = []
-    seen = 0
     times = np.zeros(3)
     # the COCO category id of each class, for the json
     cat_ids = None
@@ -117,7 +119,6 @@ def evaluate(model, loader, nms=VAL_NMS, plots_dir=None, save_json=None, coco_id
     for batch_index, batch in enumerate(loader):
         dets, protos, seconds = infer(model, batch["images"], nms, amp)
         times += seconds
-        seen += len(dets)
         if classify:
             # top-k and the loss of each image
             logits = dets.cpu()
@@ -142,11 +143,10 @@ def evaluate(model, loader, nms=VAL_NMS, plots_dir=None, save_json=None, coco_id
         results = metrics.summarize_classes(records)
     else:
         results = metrics.summarize(records, metrics.KINDS[model.task])
-    # the mean over every rank's images: the same dict on every rank
-    timings = dist.all_gather_object((times, seen))
-    times = sum(rank_times for rank_times, _ in timings)
-    seen = sum(rank_seen for _, rank_seen in timings)
-    results["speed"] = dict(zip(STAGES, (times * 1000 / max(seen, 1)).tolist()))
+    # the mean over every rank's images (one record each): the same dict on every rank
+    times = sum(dist.all_gather_object(times))
+    per_image_ms = times * 1000 / max(len(records), 1)
+    results["speed"] = dict(zip(STAGES, per_image_ms.tolist()))
     if save_json and dist.is_main():
         found = [result for record in records for result in record["json"]]
         Path(save_json).write_text(json.dumps(found))
@@ -154,7 +154,7 @@ def evaluate(model, loader, nms=VAL_NMS, plots_dir=None, save_json=None, coco_id
     return results
 
 
-def infer(model, images: torch.Tensor, nms: dict, amp=None) -> tuple:
+def infer(model, images: torch.Tensor, nms: dict, amp) -> tuple:
     """An eval-mode Model on uint8 images (bs, 3, H, W) -> (float logits (bs, nc) of a classifier,
     else NMS's detections per image; each image's prototypes (nm, H/4, W/4) or None; seconds)."""
     device = next(model.parameters()).device

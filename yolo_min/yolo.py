@@ -160,19 +160,10 @@ class YOLO:
             device = next(model.parameters()).device
         # stream runs it in eval mode and gives it back in its own mode
         model = model.to(device)
-        results = predictor.stream(
-            model,
-            images,
-            imgsz=validator.round_imgsz(args.imgsz, int(model.stride.max())),
-            batch_size=args.batch_size,
-            workers=args.workers,
-            amp=predictor.predict_amp(device, args.amp),
-            conf_thres=args.conf_thres,
-            iou_thres=args.iou_thres,
-            max_det=args.max_det,
-            classes=args.classes,
-            agnostic=args.agnostic_nms,
-        )
+        stride = int(model.stride.max())
+        args.imgsz = validator.round_imgsz(args.imgsz, stride)
+        amp = predictor.predict_amp(device, args.amp)
+        results = predictor.stream_args(model, images, args, amp)
         if stream:
             return results
         return sorted(results, key=lambda r: r["index"])
@@ -183,7 +174,7 @@ class YOLO:
         """Write the model as a checkpoint that val.py, predict.py and YOLO(path) load (on rank 0
         only under torchrun; atomically)."""
         model = self._model()
-        weights = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+        weights = checkpoint.cpu_state(model.state_dict())
         state = dict(model_cfg=model.yaml, names=list(model.names), task=model.task, model=weights)
         if dist.env_rank() == 0:
             checkpoint.save(state, path)
