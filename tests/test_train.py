@@ -5,6 +5,7 @@ import csv
 import itertools
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -574,3 +575,18 @@ def test_fit_shuffles_each_epoch_by_the_seeded_sampler(tmp_path, tiny, monkeypat
     for e, order in enumerate(epochs):
         assert order == torch.randperm(32, generator=torch.Generator().manual_seed(3 + e)).tolist()
     assert epochs[0] != epochs[1]
+
+
+def test_run_reports_precision_device_eta_and_minutes(tmp_path, tiny, capsys):
+    """A run's first lines name the device and the precision in use, each progress line gives the
+    epoch's eta and the whole run's, and the last line the run's time in minutes."""
+    flags = ["--epochs", "2", "--noval", "--nosave", "--amp", "off", "--project", str(tmp_path)]
+    trainer.main(trainer.get_args_parser().parse_args([*tiny, *flags]))
+    out = capsys.readouterr().out
+    assert f"detect training: 1 rank(s) on cpu, batch 8, 2 epochs, in {tmp_path / 'exp'}" in out
+    assert "\nprecision: fp32 (--amp off)\n" in out
+    clock = r"\d+:\d\d:\d\d"
+    progress = rf"epoch (\d)/2 \[(\d)/4\]  [\d.]+ it/s  eta {clock} \(run {clock}\)  box "
+    assert re.findall(progress, out) == [("1", "2"), ("1", "4"), ("2", "2"), ("2", "4")]
+    assert "epoch 2/2 [4/4]" in out and "eta 0:00:00 (run 0:00:00)" in out.split("[4/4]")[-1]
+    assert re.search(r"\n2 epochs in \d+\.\d minutes\n", out) and "hours" not in out

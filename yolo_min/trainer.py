@@ -74,6 +74,12 @@ HYP_RANGES = {
 }
 # yolov5's recipe keys that yolo_min does not implement: only 0, their default, is accepted
 NOT_IMPLEMENTED = ("mixup", "copy_paste")
+# how build_training runs each autocast dtype of amp_dtype (None: fp32)
+PRECISIONS = {
+    torch.float16: "fp16 autocast + GradScaler, channels_last",
+    torch.bfloat16: "bf16 autocast, channels_last",
+    None: "fp32",
+}
 # a training batch of one image fails there (BatchNorm needs two values per channel)
 ONE_IMAGE = "BatchNorm cannot train on 1 image when the last feature map is 1x1 pixel"
 
@@ -324,8 +330,12 @@ def optimizer_step(model, optimizer, scaler, ema: ModelEMA | None) -> None:
         ema.update(model)
 
 
-def train_one_epoch(model, criterion, optimizer, scaler, ema, loader, epoch, args, hyp, save_dir):
-    """One epoch (detection: warmup, NOMINAL_BATCH images a step) -> (mean loss items, img/s)."""
+def train_one_epoch(
+    model, criterion, optimizer, scaler, ema, loader, epoch, args, hyp, save_dir, epoch_seconds=None
+):
+    """One epoch (detection: warmup, NOMINAL_BATCH images a step) -> (mean loss items, img/s).
+    epoch_seconds: the mean wall time of this run's finished epochs (with their validation and
+    checkpoints; None in its first), for the whole run's eta."""
     # a non-finite loss raises FloatingPointError on every rank at once; no all-reduce until a step
     model.train()
     device, n, detect = next(model.parameters()).device, len(loader), "warmup_epochs" in hyp
@@ -365,13 +375,21 @@ def train_one_epoch(model, criterion, optimizer, scaler, ema, loader, epoch, arg
             rate = (i + 1) / (time.time() - start)
             mem = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # peak RSS, GB
             mem = torch.cuda.max_memory_reserved() / 1e9 if torch.cuda.is_initialized() else mem
-            eta = datetime.timedelta(seconds=round((n - i - 1) / rate))
+            epoch_left = (n - i - 1) / rate
+            # the first epoch knows only its own training rate
+            run_left = epoch_left + (args.epochs - epoch - 1) * (epoch_seconds or n / rate)
+            eta = f"eta {clock(epoch_left)} (run {clock(run_left)})"
             text = "  ".join(f"{k} {v:.4g}" for k, v in zip(items, mean.tolist()))
             text += f"  instances {len(batch['targets'])}  mem {mem:.2f}G"
-            progress = f"epoch {epoch + 1}/{args.epochs} [{i + 1}/{n}]  {rate:.2f} it/s  eta {eta}"
+            progress = f"epoch {epoch + 1}/{args.epochs} [{i + 1}/{n}]  {rate:.2f} it/s  {eta}"
             print(f"{progress}  {text}", flush=True)
     img_s = (n - 1) * args.batch_size / (time.time() - t0) if n > 1 else 0.0
     return dict(zip(items, mean.tolist())), img_s
+
+
+def clock(seconds: float) -> datetime.timedelta:
+    """A duration as h:mm:ss, to the second."""
+    return datetime.timedelta(seconds=round(seconds))
 
 
 # ---------------------------------------------------------------- resume
@@ -538,12 +556,19 @@ def fit(args, info, given: Model | None = None, callbacks: dict | None = None) -
         training = dict(model=de_parallel(model), ema=ema, optimizer=optimizer, scaler=scaler)
         start, best = restore_training(ckpt, training, args, info)
         dist.print0(f"Resuming {save_dir} at epoch {start + 1}/{args.epochs}")
-    where = f"{info.world_size} rank(s) on {info.device.type}, batch {args.batch_size}"
+    device = info.device.type
+    if device == "cuda":
+        device += f" ({torch.cuda.get_device_name(info.device)})"
+    where = f"{info.world_size} rank(s) on {device}, batch {args.batch_size}"
     dist.print0(f"{task} training: {where}, {args.epochs} epochs, in {save_dir}")
+    dist.print0(f"precision: {PRECISIONS[amp]} (--amp {args.amp})")
     t_start, img_s, epoch, metrics, losses = time.time(), [], start - 1, None, {}
     for epoch in range(start, args.epochs):
         loader.sampler.set_epoch(epoch)
+        done = epoch - start
+        epoch_seconds = (time.time() - t_start) / done if done else None
         step = (model, criterion, optimizer, scaler, ema, loader, epoch, args, hyp, save_dir)
+        step += (epoch_seconds,)
         losses, speed = train_one_epoch(*step)
         img_s.append(speed)
         event = Event("on_train_epoch_end", epoch + 1, losses, None, save_dir, info.rank)
@@ -569,7 +594,7 @@ def fit(args, info, given: Model | None = None, callbacks: dict | None = None) -
             best_epoch = f"the best was epoch {best[1] + 1}"
             dist.print0(f"Early stop: no improvement in {args.patience} epochs, {best_epoch}")
             break
-    dist.print0(f"{epoch + 1 - start} epochs in {(time.time() - t_start) / 3600:.3f} hours")
+    dist.print0(f"{epoch + 1 - start} epochs in {(time.time() - t_start) / 60:.1f} minutes")
     if best[1] != epoch or not metrics:  # best.pt (else last.pt) is not the model validated last
         metrics = validate_saved(ema, val_loader, save_dir, amp)
     dist.print0(validator.format_table(metrics, ema.ema.names) + f"\nResults saved to {save_dir}")
