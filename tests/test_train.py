@@ -318,7 +318,7 @@ def test_bf16_learns_as_fp32_does(tmp_path, small_shapes):
     trainer.check_args(args, "detect", 1)  # the task's defaults: --optimizer SGD
     info = dist.DistInfo(0, 1, 1, torch.device("cpu"))
     hyp = trainer.load_hyp({"lr0": 0.03, "weight_decay": 0.0})
-    model, criterion, optimizer, scaler, _ = trainer.build_training(Model(nc=3), hyp, args, info)
+    model, criterion, optimizer, scaler, _, _ = trainer.build_training(Model(nc=3), hyp, args, info)
     assert model.model[0].conv.weight.is_contiguous(memory_format=torch.channels_last)
     for step in range(120):
         batch = batches[step % len(batches)]
@@ -499,27 +499,27 @@ def test_epoch_ends_with_a_step(tmp_path, tiny, monkeypatch):
     trainer.check_args(args, "detect", 1)
     torch.manual_seed(0)
     info = dist.DistInfo(0, 1, 1, torch.device("cpu"))
-    model, criterion, optimizer, scaler, ema = trainer.build_training(
-        Model(nc=2), DEFAULT_HYP, args, info
-    )
+    training = trainer.build_training(Model(nc=2), DEFAULT_HYP, args, info)
+    model, ema = training.model, training.ema
     start = {k: v.clone() for k, v in model.state_dict().items()}
     forwards, steps, after = [], [], []
     real_forward, real_step = trainer.forward_loss, trainer.optimizer_step
 
-    def forward(*a):
+    def forward(*args, **kwargs):
         forwards.append(len(forwards) + 1)
-        return real_forward(*a)
+        return real_forward(*args, **kwargs)
 
-    def step(*a):
+    def step(*args, **kwargs):
         steps.append(len(forwards))  # the batches seen so far
-        real_step(*a)
+        real_step(*args, **kwargs)
         after.append({k: v.clone() for k, v in model.state_dict().items()})
 
     monkeypatch.setattr(trainer, "forward_loss", forward)
     monkeypatch.setattr(trainer, "optimizer_step", step)
-    losses, _ = trainer.train_one_epoch(
-        model, criterion, optimizer, scaler, ema, batches, 30, args, DEFAULT_HYP, tmp_path
+    setup = trainer.Setup(
+        args, None, DEFAULT_HYP, model, batches, val_loader=None, save_dir=tmp_path
     )
+    losses, _ = trainer.train_one_epoch(training, setup, 30)
     assert forwards == [1, 2, 3, 4, 5, 6] and steps == [4, 6] and ema.updates == 2
     assert all(p.grad is None for p in model.parameters())  # none pending
     final = model.state_dict()
