@@ -1,6 +1,6 @@
 """Training: the options, the builders, the step loop (`train_one_epoch`) and the epoch loop with
 its checkpoints and resume (`fit`), in one process or on every rank under torchrun; train.py and
-`yolo_min.YOLO.train` call `train`."""
+`yolo_min.YOLO.train` call `main`."""
 
 from __future__ import annotations
 
@@ -223,15 +223,10 @@ def frozen_layers(freeze: list[int], model: Model) -> set[int]:
     if len(freeze) > 1 and max(freeze) >= layers:
         raise ConfigError(f"{flag}: the model has {layers} layers (0-{layers - 1})")
     frozen = set(freeze) if len(freeze) > 1 else set(range(freeze[0]))
-    if {layer(k) for k, _ in model.named_parameters()} <= frozen:
+    if {int(k.split(".")[1]) for k, _ in model.named_parameters()} <= frozen:
         why = f"the model has {layers} layers (0-{layers - 1}): no parameter would be trained"
         raise ConfigError(f"{flag}: {why}")
     return frozen
-
-
-def layer(name: str) -> int:
-    """The layer of a parameter's name ("model.<layer>.")."""
-    return int(name.split(".")[1])
 
 
 def build_model(args, data: dict, ckpt: dict | None, given: Model | None = None) -> Model:
@@ -253,7 +248,7 @@ def build_model(args, data: dict, ckpt: dict | None, given: Model | None = None)
         dist.print0(f"Transferred {kept}/{len(model.state_dict())} items from {args.weights}")
     frozen = frozen_layers(args.freeze, model)
     for k, p in model.named_parameters():
-        p.requires_grad = layer(k) not in frozen
+        p.requires_grad = int(k.split(".")[1]) not in frozen
     model.names = data["names"]
     return model
 
@@ -449,9 +444,9 @@ def train_one_epoch(
             run_left = epoch_left + (args.epochs - epoch - 1) * (epoch_seconds or batches / rate)
             progress = f"epoch {epoch + 1}/{args.epochs} [{i + 1}/{batches}]  {rate:.2f} it/s"
             eta = f"eta {clock(epoch_left)} (run {clock(run_left)})"
-            text = "  ".join(f"{k} {v:.4g}" for k, v in zip(items, mean.tolist()))
-            text += f"  instances {len(batch['targets'])}  mem {peak_memory():.2f}G"
-            print(f"{progress}  {eta}  {text}", flush=True)
+            losses = "  ".join(f"{k} {v:.4g}" for k, v in zip(items, mean.tolist()))
+            usage = f"instances {len(batch['targets'])}  mem {peak_memory():.2f}G"
+            print(f"{progress}  {eta}  {losses}  {usage}", flush=True)
     img_s = (batches - 1) * args.batch_size / (time.time() - t0) if batches > 1 else 0.0
     return dict(zip(items, mean.tolist())), img_s
 
@@ -552,11 +547,11 @@ def prepare(args, info, given: Model | None = None) -> Setup:
                     hyp = load_hyp(ckpt["hyp"], model.task, where="hyp")
                 else:
                     hyp = load_hyp(args.hyp, model.task)
-            loader, val_loader = build_loaders(args, hyp=hyp, model=model, data=data, info=info)
+            loader, val_loader = build_loaders(args, hyp, model, data=data, info=info)
         # 3 files of 3 fp32 copies
         need = 36 * sum(p.numel() for p in model.parameters())
         save_dir = dist.run_on_main(
-            lambda: checkpoint.make_run_dir(args, hyp, run_id=run_id, need_bytes=need)
+            lambda: checkpoint.make_run_dir(args, hyp, run_id, need_bytes=need)
         )
         if ckpt:
             dist.run_on_main(checkpoint.restore_results, ckpt, save_dir)
@@ -636,7 +631,7 @@ def build_training(model: Model, hyp: dict, args, info) -> Training:
         loss_hyp = scale_hyp(hyp, model.nc, args.imgsz, model.head.nl)
         criterion = YOLOLoss(model, loss_hyp, info.world_size)
     optimizer = build_optimizer(
-        model, lr=hyp["lr0"], momentum=hyp["momentum"], decay=decay, name=args.optimizer
+        model, hyp["lr0"], hyp["momentum"], decay=decay, name=args.optimizer
     )
     amp = amp_dtype(info.device, args.amp)
     # channels_last: the faster layout under autocast
@@ -670,10 +665,11 @@ def fit(args, info, given: Model | None = None, callbacks: dict | None = None) -
     args = setup.args
     training = start_training(setup, info)
     start = 0
-    best = Best(fitness=0.0, epoch=0)
+    best = Best(0.0, 0)
     if setup.ckpt:
         start, best = resume(setup, training, info)
     print_start(setup, info, training.amp)
+    # the run's constants; each event replaces its name, epoch, losses and metrics
     event = Event("", 0, losses={}, metrics=None, save_dir=setup.save_dir, rank=info.rank)
     t_start = time.time()
     img_s = []
@@ -734,8 +730,8 @@ def fit(args, info, given: Model | None = None, callbacks: dict | None = None) -
 
 
 def start_training(setup: Setup, info) -> Training:
-    """The model on this rank's device and seeds, with AutoAnchor's anchors (a new detection run
-    but with --noautoanchor), made ready to train (see Training)."""
+    """Seed this rank, move the model to its device, fit its anchors (AutoAnchor: a new detection
+    run, unless --noautoanchor) and make it ready to train (see Training)."""
     args = setup.args
     # augmentation has its own seeds, per sample
     for seed in (random.seed, np.random.seed, torch.manual_seed):
