@@ -96,9 +96,10 @@ def joined(a: dict, b: dict) -> dict:
 
 def one_epoch(model, loader, info, args, hyp) -> nn.Module:
     """train.py's wiring and train_one_epoch, at an epoch after the warmup (200 of 300)."""
-    model, criterion, optimizer, scaler, ema = trainer.build_training(model, hyp, args, info)
-    step = (model, criterion, optimizer, scaler, ema, loader, 200, args, hyp, Path("."))
-    trainer.train_one_epoch(*step)
+    training = trainer.build_training(model, hyp, args, info)
+    setup = trainer.Setup(args, None, hyp, model, loader, val_loader=None, save_dir=Path("."))
+    trainer.train_one_epoch(training, setup, 200)
+    model = training.model
     return model.module if info.world_size > 1 else model
 
 

@@ -24,19 +24,19 @@ AT = {"epoch": 0, "iteration": 0}
 train_one_epoch, forward_loss = trainer.train_one_epoch, trainer.forward_loss
 
 
-def faulty_epoch(model, criterion, optimizer, scaler, ema, loader, epoch, *args):
+def faulty_epoch(training, setup, epoch, **kwargs):
     AT.update(epoch=epoch + 1, iteration=0)
-    return train_one_epoch(model, criterion, optimizer, scaler, ema, loader, epoch, *args)
+    return train_one_epoch(training, setup, epoch, **kwargs)
 
 
-def faulty_forward(*args):
+def faulty_forward(*args, **kwargs):
     AT["iteration"] += 1
     at = (AT["epoch"], AT["iteration"], int(os.environ.get("RANK", "0")))
     if FAULTS.get("KILL") == at:
         os.kill(os.getpid(), signal.SIGKILL)
     if FAULTS.get("FAIL") == at:
         raise RuntimeError(f"test fault: rank {at[2]} fails at epoch {at[0]}, iteration {at[1]}")
-    loss, items = forward_loss(*args)
+    loss, items = forward_loss(*args, **kwargs)
     if FAULTS.get("NAN") == at:
         items = {k: v * float("nan") for k, v in items.items()}
     return loss, items

@@ -402,7 +402,8 @@ def test_classify_recipe_as_train_builds_it(tmp_path):
         trainer.get_args_parser().parse_args(argv), info
     )
     assert ckpt is None and model.task == "classify" and hyp == recipe
-    _, criterion, optimizer, _, _ = trainer.build_training(model, hyp, args, info)
+    training = trainer.build_training(model, hyp, args, info)
+    criterion, optimizer = training.criterion, training.optimizer
 
     logits = torch.tensor([[2.0, 0.0, -1.0], [0.5, 1.5, 0.0], [-1.0, 1.0, 3.0]])
     targets = torch.tensor([[0, 0], [1, 0], [2, 1]])  # [image, cls]
@@ -485,10 +486,10 @@ def test_classifier_learns_and_resumes_exactly(tmp_path, monkeypatch):
     whole = Path(trainer.run(**common, epochs=3, project=str(tmp_path / "a"))["save_dir"])
     real = trainer.train_one_epoch
 
-    def stop_in_epoch_2(model, criterion, optimizer, scaler, ema, loader, epoch, *args):
+    def stop_in_epoch_2(training, setup, epoch, **kwargs):
         if epoch == 1:
             raise KeyboardInterrupt
-        return real(model, criterion, optimizer, scaler, ema, loader, epoch, *args)
+        return real(training, setup, epoch, **kwargs)
 
     monkeypatch.setattr(trainer, "train_one_epoch", stop_in_epoch_2)
     with pytest.raises(KeyboardInterrupt):

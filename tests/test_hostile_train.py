@@ -158,7 +158,7 @@ def test_run_lock_is_released_on_errors_and_stops(tiny, tmp_path, monkeypatch):
         trainer.main(trainer.get_args_parser().parse_args(["--resume", str(last)]))
     assert not (tmp_path / "a" / checkpoint.LOCK_FILE).exists()
 
-    def stop(*args):
+    def stop(*args, **kwargs):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(trainer, "train_one_epoch", stop)

@@ -100,10 +100,10 @@ def stop_in_epoch_2(monkeypatch) -> None:
     written."""
     real = trainer.train_one_epoch
 
-    def one_epoch(model, criterion, optimizer, scaler, ema, loader, epoch, *args):
+    def one_epoch(training, setup, epoch, **kwargs):
         if epoch == 1:
             raise KeyboardInterrupt("test stop")
-        return real(model, criterion, optimizer, scaler, ema, loader, epoch, *args)
+        return real(training, setup, epoch, **kwargs)
 
     monkeypatch.setattr(trainer, "train_one_epoch", one_epoch)
 

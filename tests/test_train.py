@@ -5,6 +5,7 @@ import csv
 import itertools
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -317,7 +318,7 @@ def test_bf16_learns_as_fp32_does(tmp_path, small_shapes):
     trainer.check_args(args, "detect", 1)  # the task's defaults: --optimizer SGD
     info = dist.DistInfo(0, 1, 1, torch.device("cpu"))
     hyp = trainer.load_hyp({"lr0": 0.03, "weight_decay": 0.0})
-    model, criterion, optimizer, scaler, _ = trainer.build_training(Model(nc=3), hyp, args, info)
+    model, criterion, optimizer, scaler, _, _ = trainer.build_training(Model(nc=3), hyp, args, info)
     assert model.model[0].conv.weight.is_contiguous(memory_format=torch.channels_last)
     for step in range(120):
         batch = batches[step % len(batches)]
@@ -498,27 +499,27 @@ def test_epoch_ends_with_a_step(tmp_path, tiny, monkeypatch):
     trainer.check_args(args, "detect", 1)
     torch.manual_seed(0)
     info = dist.DistInfo(0, 1, 1, torch.device("cpu"))
-    model, criterion, optimizer, scaler, ema = trainer.build_training(
-        Model(nc=2), DEFAULT_HYP, args, info
-    )
+    training = trainer.build_training(Model(nc=2), DEFAULT_HYP, args, info)
+    model, ema = training.model, training.ema
     start = {k: v.clone() for k, v in model.state_dict().items()}
     forwards, steps, after = [], [], []
     real_forward, real_step = trainer.forward_loss, trainer.optimizer_step
 
-    def forward(*a):
+    def forward(*args, **kwargs):
         forwards.append(len(forwards) + 1)
-        return real_forward(*a)
+        return real_forward(*args, **kwargs)
 
-    def step(*a):
+    def step(*args, **kwargs):
         steps.append(len(forwards))  # the batches seen so far
-        real_step(*a)
+        real_step(*args, **kwargs)
         after.append({k: v.clone() for k, v in model.state_dict().items()})
 
     monkeypatch.setattr(trainer, "forward_loss", forward)
     monkeypatch.setattr(trainer, "optimizer_step", step)
-    losses, _ = trainer.train_one_epoch(
-        model, criterion, optimizer, scaler, ema, batches, 30, args, DEFAULT_HYP, tmp_path
+    setup = trainer.Setup(
+        args, None, DEFAULT_HYP, model, batches, val_loader=None, save_dir=tmp_path
     )
+    losses, _ = trainer.train_one_epoch(training, setup, 30)
     assert forwards == [1, 2, 3, 4, 5, 6] and steps == [4, 6] and ema.updates == 2
     assert all(p.grad is None for p in model.parameters())  # none pending
     final = model.state_dict()
@@ -574,3 +575,18 @@ def test_fit_shuffles_each_epoch_by_the_seeded_sampler(tmp_path, tiny, monkeypat
     for e, order in enumerate(epochs):
         assert order == torch.randperm(32, generator=torch.Generator().manual_seed(3 + e)).tolist()
     assert epochs[0] != epochs[1]
+
+
+def test_run_reports_precision_device_eta_and_minutes(tmp_path, tiny, capsys):
+    """A run's first lines name the device and the precision in use, each progress line gives the
+    epoch's eta and the whole run's, and the last line the run's time in minutes."""
+    flags = ["--epochs", "2", "--noval", "--nosave", "--amp", "off", "--project", str(tmp_path)]
+    trainer.main(trainer.get_args_parser().parse_args([*tiny, *flags]))
+    out = capsys.readouterr().out
+    assert f"detect training: 1 rank(s) on cpu, batch 8, 2 epochs, in {tmp_path / 'exp'}" in out
+    assert "\nprecision: fp32 (--amp off)\n" in out
+    clock = r"\d+:\d\d:\d\d"
+    progress = rf"epoch (\d)/2 \[(\d)/4\]  [\d.]+ it/s  eta {clock} \(run {clock}\)  box "
+    assert re.findall(progress, out) == [("1", "2"), ("1", "4"), ("2", "2"), ("2", "4")]
+    assert "epoch 2/2 [4/4]" in out and "eta 0:00:00 (run 0:00:00)" in out.split("[4/4]")[-1]
+    assert re.search(r"\n2 epochs in \d+\.\d minutes\n", out) and "hours" not in out

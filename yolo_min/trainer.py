@@ -1,6 +1,6 @@
 """Training: the options, the builders, the step loop (`train_one_epoch`) and the epoch loop with
 its checkpoints and resume (`fit`), in one process or on every rank under torchrun; train.py and
-`yolo_min.YOLO.train` call `train`."""
+`yolo_min.YOLO.train` call `main`."""
 
 from __future__ import annotations
 
@@ -32,9 +32,12 @@ from .metrics import KINDS, metric_names
 from .models import CFG_DIR, Model, ModelEMA, amp_dtype, de_parallel
 from .plots import draw_later, finish_drawing
 
-NOMINAL_BATCH = 64  # detection: gradients accumulate over this many images before a step
-HYP_FILES = {"classify": "hyp.cls.yaml"}  # no warmup, no accumulation; else hyp.scratch-low
-TASK_DEFAULTS = {"classify": dict(imgsz=224, batch_size=64, optimizer="Adam")}  # unless given
+# detection: gradients accumulate over this many images before a step
+NOMINAL_BATCH = 64
+# classify's recipe: no warmup, no accumulation; the others' is hyp.scratch-low
+HYP_FILES = {"classify": "hyp.cls.yaml"}
+# the options' defaults that depend on the task, unless given
+TASK_DEFAULTS = {"classify": dict(imgsz=224, batch_size=64, optimizer="Adam")}
 DEFAULTS = dict(imgsz=640, batch_size=16, optimizer="SGD")
 # trainings this process has started (a script may train more than once under one torchrun run)
 TRAININGS_STARTED = itertools.count()
@@ -45,35 +48,49 @@ LEAST = dict(epochs=1, batch_size=1, log_every=1, workers=0, patience=0, seed=0)
 # each recipe key's valid range (both recipes' keys): "[" and "]" include a bound, "(" and ")" not
 HYP_RANGES = {
     "lr0": "(0, 1]",
-    "lrf": "[0, 1]",  # the final lr is lr0 * lrf: never negative, never above lr0
-    "momentum": "(0, 1)",  # SGD's Nesterov momentum needs > 0; Adam's beta1 < 1
+    # the final lr is lr0 * lrf: never negative, never above lr0
+    "lrf": "[0, 1]",
+    # SGD's Nesterov momentum needs > 0; Adam's beta1 < 1
+    "momentum": "(0, 1)",
     "weight_decay": "[0, 1)",
     "warmup_epochs": "[0, 1000]",
     "warmup_momentum": "[0, 1)",
     "warmup_bias_lr": "[0, 1]",
     "box": "[0, 100]",
     "cls": "[0, 100]",
-    "cls_pw": "(0, 100]",  # BCE positive weights: a negative one makes the loss negative
+    # BCE positive weights: a negative one makes the loss negative
+    "cls_pw": "(0, 100]",
     "obj": "[0, 100]",
     "obj_pw": "(0, 100]",
     "iou_t": "[0, 1]",
-    "anchor_t": "(1, 100]",  # the w and h ratios of a match are below it: at 1 nothing matches
+    # the w and h ratios of a match are below it: at 1 nothing matches
+    "anchor_t": "(1, 100]",
     "fl_gamma": "[0, 10]",
     "label_smoothing": "[0, 1)",
-    "hsv_h": "[0, 1]",  # 1: hues turn by up to 180 degrees
-    "hsv_s": "[0, 1]",  # the gains are 1 +- these: above 1 they could turn negative
+    # 1: hues turn by up to 180 degrees
+    "hsv_h": "[0, 1]",
+    # the gains are 1 +- these: above 1 they could turn negative
+    "hsv_s": "[0, 1]",
     "hsv_v": "[0, 1]",
     "degrees": "[0, 180]",
     "translate": "[0, 1]",
-    "scale": "[0, 1)",  # the scale is 1 +- this: at 1 an image could shrink to nothing
+    # the scale is 1 +- this: at 1 an image could shrink to nothing
+    "scale": "[0, 1)",
     "shear": "[0, 45]",
-    "perspective": "[0, 0.001]",  # larger ones fold the 1280-pixel mosaic canvas over itself
+    # larger ones fold the 1280-pixel mosaic canvas over itself
+    "perspective": "[0, 0.001]",
     "flipud": "[0, 1]",
     "fliplr": "[0, 1]",
     "mosaic": "[0, 1]",
 }
 # yolov5's recipe keys that yolo_min does not implement: only 0, their default, is accepted
 NOT_IMPLEMENTED = ("mixup", "copy_paste")
+# how build_training runs each autocast dtype of amp_dtype (None: fp32)
+PRECISIONS = {
+    torch.float16: "fp16 autocast + GradScaler, channels_last",
+    torch.bfloat16: "bf16 autocast, channels_last",
+    None: "fp32",
+}
 # a training batch of one image fails there (BatchNorm needs two values per channel)
 ONE_IMAGE = "BatchNorm cannot train on 1 image when the last feature map is 1x1 pixel"
 
@@ -81,33 +98,45 @@ ONE_IMAGE = "BatchNorm cannot train on 1 image when the last feature map is 1x1 
 def get_args_parser() -> argparse.ArgumentParser:
     description = "Train YOLOv5 detection, segmentation, classification"
     # No abbreviations: the Python API takes only whole names, and so does the command line.
-    p = argparse.ArgumentParser(description=description, allow_abbrev=False)
-    p.add_argument("--cfg", default="yolov5n.yaml", help="model cfg; its head sets the task")
-    p.add_argument("--data", default="shapes", help="data yaml or folder, 'shapes', 'shapes-cls'")
-    p.add_argument("--hyp", default="", help="yaml overriding keys of the recipe")
-    p.add_argument("--weights", default="", help="initial weights: yolo_min or yolov5 .pt")
-    p.add_argument("--epochs", type=int, default=100)
-    p.add_argument("--batch-size", type=int, help="global, split over the ranks (16; classify 64)")
-    p.add_argument("--imgsz", type=int, help="train and val image size (640; classify 224)")
-    p.add_argument("--optimizer", choices=list(OPTIMIZERS), help="SGD (classify: Adam)")
-    p.add_argument("--device", default="", help="cpu, cuda or a GPU index")
-    p.add_argument("--amp", choices=["auto", "on", "off"], default="auto", help=validator.AMP_HELP)
-    p.add_argument("--workers", type=int, default=8, help="dataloader workers per rank")
-    p.add_argument("--project", default="runs/train")
-    p.add_argument("--name", default="exp")
-    p.add_argument("--exist-ok", action="store_true", help="reuse project/name")
-    p.add_argument("--resume", nargs="?", const=True, default=False, help="a last.pt, or newest")
-    p.add_argument("--freeze", nargs="+", type=int, default=[0], help="first N, or listed layers")
-    p.add_argument("--cos-lr", action="store_true", help="cosine lr schedule, not linear")
-    p.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm across GPUs")
-    p.add_argument("--patience", type=int, default=100, help="epochs without improvement")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--cache", choices=["auto", "ram", "off"], default="auto", help="images in RAM")
-    p.add_argument("--log-every", type=int, default=10, help="a progress line every N batches")
-    p.add_argument("--noautoanchor", action="store_true")
-    p.add_argument("--noval", action="store_true", help="validate the final epoch only")
-    p.add_argument("--nosave", action="store_true", help="save the final checkpoint only")
-    return p
+    parser = argparse.ArgumentParser(description=description, allow_abbrev=False)
+    parser.add_argument("--cfg", default="yolov5n.yaml", help="model cfg; its head sets the task")
+    parser.add_argument(
+        "--data", default="shapes", help="data yaml or folder, 'shapes', 'shapes-cls'"
+    )
+    parser.add_argument("--hyp", default="", help="yaml overriding keys of the recipe")
+    parser.add_argument("--weights", default="", help="initial weights: yolo_min or yolov5 .pt")
+    parser.add_argument("--epochs", type=int, default=100)
+    parser.add_argument(
+        "--batch-size", type=int, help="global, split over the ranks (16; classify 64)"
+    )
+    parser.add_argument("--imgsz", type=int, help="train and val image size (640; classify 224)")
+    parser.add_argument("--optimizer", choices=list(OPTIMIZERS), help="SGD (classify: Adam)")
+    parser.add_argument("--device", default="", help="cpu, cuda or a GPU index")
+    parser.add_argument(
+        "--amp", choices=["auto", "on", "off"], default="auto", help=validator.AMP_HELP
+    )
+    parser.add_argument("--workers", type=int, default=8, help="dataloader workers per rank")
+    parser.add_argument("--project", default="runs/train")
+    parser.add_argument("--name", default="exp")
+    parser.add_argument("--exist-ok", action="store_true", help="reuse project/name")
+    parser.add_argument(
+        "--resume", nargs="?", const=True, default=False, help="a last.pt, or newest"
+    )
+    parser.add_argument(
+        "--freeze", nargs="+", type=int, default=[0], help="first N, or listed layers"
+    )
+    parser.add_argument("--cos-lr", action="store_true", help="cosine lr schedule, not linear")
+    parser.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm across GPUs")
+    parser.add_argument("--patience", type=int, default=100, help="epochs without improvement")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--cache", choices=["auto", "ram", "off"], default="auto", help="images in RAM"
+    )
+    parser.add_argument("--log-every", type=int, default=10, help="a progress line every N batches")
+    parser.add_argument("--noautoanchor", action="store_true")
+    parser.add_argument("--noval", action="store_true", help="validate the final epoch only")
+    parser.add_argument("--nosave", action="store_true", help="save the final checkpoint only")
+    return parser
 
 
 # ---------------------------------------------------------------- builders
@@ -178,26 +207,26 @@ def check_numbers(args: argparse.Namespace, world_size: int) -> None:
     low, high = IMGSZ_RANGE
     if args.imgsz is not None and not low <= args.imgsz <= high:
         raise ConfigError(f"--imgsz {args.imgsz}: must be in [{low}, {high}]")
+    # the global batch
     batch = args.batch_size
-    if batch is not None and batch % world_size:  # the global batch
-        size = f"--batch-size {batch} must be a multiple of the world size {world_size}"
-        raise ConfigError(size)
+    if batch is not None and batch % world_size:
+        raise ConfigError(f"--batch-size {batch} must be a multiple of the world size {world_size}")
 
 
-def check_freeze(freeze: list[int], model: Model) -> None:
-    """ConfigError unless --freeze (the first N layers, or the listed ones) leaves some layer's
-    parameters to train."""
+def frozen_layers(freeze: list[int], model: Model) -> set[int]:
+    """The layers --freeze names (the first N, or the listed ones); ConfigError unless it leaves
+    some layer's parameters to train."""
     layers = len(model.model)
-    trained = {int(k.split(".")[1]) for k, _ in model.named_parameters()}
     flag = f"--freeze {' '.join(map(str, freeze))}"
     if not freeze or min(freeze) < 0:
         raise ConfigError(f"{flag}: layer numbers are >= 0")
     if len(freeze) > 1 and max(freeze) >= layers:
         raise ConfigError(f"{flag}: the model has {layers} layers (0-{layers - 1})")
     frozen = set(freeze) if len(freeze) > 1 else set(range(freeze[0]))
-    if trained <= frozen:
+    if {int(k.split(".")[1]) for k, _ in model.named_parameters()} <= frozen:
         why = f"the model has {layers} layers (0-{layers - 1}): no parameter would be trained"
         raise ConfigError(f"{flag}: {why}")
+    return frozen
 
 
 def build_model(args, data: dict, ckpt: dict | None, given: Model | None = None) -> Model:
@@ -217,8 +246,7 @@ def build_model(args, data: dict, ckpt: dict | None, given: Model | None = None)
         # the anchors stay --cfg's, then AutoAnchor's
         kept = transfer(safe_load.load_model(args.weights).state_dict(), model, keep_anchors=False)
         dist.print0(f"Transferred {kept}/{len(model.state_dict())} items from {args.weights}")
-    check_freeze(args.freeze, model)
-    frozen = args.freeze if len(args.freeze) > 1 else range(args.freeze[0])
+    frozen = frozen_layers(args.freeze, model)
     for k, p in model.named_parameters():
         p.requires_grad = int(k.split(".")[1]) not in frozen
     model.names = data["names"]
@@ -238,33 +266,44 @@ def transfer(state: dict, model: nn.Module, keep_anchors: bool) -> int:
 def build_loaders(args, hyp: dict, model: Model, data: dict, info) -> tuple:
     """(train, val) DataLoaders of YOLODatasets (mosaic; rect val batches) or ClassifyDatasets."""
     datasets.check_task(data, model.task)
-    batch, kw = args.batch_size // info.world_size, dict(imgsz=args.imgsz, verbose=info.rank == 0)
+    batch = args.batch_size // info.world_size
     # --cache off: any value but auto and ram
-    kw |= dict(local_world_size=info.local_world_size, cache=args.cache)
+    shared = dict(
+        imgsz=args.imgsz,
+        verbose=info.rank == 0,
+        local_world_size=info.local_world_size,
+        cache=args.cache,
+    )
     if model.task == "classify":
-        train = ClassifyDataset(data["train"][0], augment=True, prefix="train: ", **kw)
-        val = ClassifyDataset(data["val"][0], prefix="val: ", **kw)
+        train = ClassifyDataset(data["train"][0], augment=True, prefix="train: ", **shared)
+        val = ClassifyDataset(data["val"][0], prefix="val: ", **shared)
     else:
-        kw |= dict(task=model.task, stride=int(model.stride.max()), nc=data["nc"], hyp=hyp)
-        train = YOLODataset(data["train"], augment=True, batch_size=batch, prefix="train: ", **kw)
-        val = YOLODataset(data["val"], rect=True, batch_size=2 * batch, prefix="val: ", **kw)
+        stride = int(model.stride.max())
+        shared |= dict(task=model.task, stride=stride, nc=data["nc"], hyp=hyp)
+        train = YOLODataset(
+            data["train"], augment=True, batch_size=batch, prefix="train: ", **shared
+        )
+        val = YOLODataset(data["val"], rect=True, batch_size=2 * batch, prefix="val: ", **shared)
     if model.task == "segment":
         train.check_polygons()
     # BatchNorm cannot train on a batch of one image where the last feature map is 1x1
     one_fails = args.imgsz <= int(model.stride.max())
-    check_batch_of_one(math.ceil(len(train) / info.world_size), batch, args.imgsz, one_fails)
+    if one_fails:
+        check_batch_of_one(math.ceil(len(train) / info.world_size), batch, args.imgsz)
     ranks = dict(rank=info.rank, world_size=info.world_size, local_world_size=info.local_world_size)
-    kw = dict(seed=args.seed, drop_single=one_fails, **ranks)
-    loader, _ = build_dataloader(train, batch, args.workers, True, **kw)
+    loader, _ = build_dataloader(
+        train, batch, workers=args.workers, seed=args.seed, drop_single=one_fails, **ranks
+    )
     if loader.drop_last:
         dist.print0(f"train: the last batch of each epoch, of 1 image, is dropped ({ONE_IMAGE})")
-    return loader, build_dataloader(val, 2 * batch, args.workers, False, **ranks)[0]
+    val_loader, _ = build_dataloader(val, 2 * batch, workers=args.workers, shuffle=False, **ranks)
+    return loader, val_loader
 
 
-def check_batch_of_one(images: int, batch: int, imgsz: int, one_fails: bool) -> None:
-    """ConfigError if training would take batches of one image (batch or images per rank 1) where
-    BatchNorm cannot (one_fails)."""
-    if not one_fails or min(images, batch) > 1:
+def check_batch_of_one(images: int, batch: int, imgsz: int) -> None:
+    """ConfigError if training would take batches of one image (batch or images per rank 1), which
+    BatchNorm cannot train on at imgsz."""
+    if min(images, batch) > 1:
         return
     if batch == 1:
         given = f"--batch-size {batch} per rank"
@@ -276,16 +315,28 @@ def check_batch_of_one(images: int, batch: int, imgsz: int, one_fails: bool) -> 
 
 def build_optimizer(model: nn.Module, lr: float, momentum: float, decay: float, name="SGD"):
     """Nesterov SGD (Adam: beta1 = momentum); groups: biases, BatchNorm weights (no decay), rest."""
-    groups = [[], [], []]
-    for m in model.modules():
-        for kind, p in m.named_parameters(recurse=False):
-            norm = isinstance(m, (nn.BatchNorm2d, nn.SyncBatchNorm))
-            groups[0 if kind == "bias" else 1 if norm else 2].append(p)
-    kw = [dict(weight_decay=0.0, bias=True), dict(weight_decay=0.0), dict(weight_decay=decay)]
-    groups = [dict(params=g, initial_lr=lr, bias=False) | k for g, k in zip(groups, kw)]
-    kw = dict(betas=(momentum, 0.999)) if "Adam" in name else dict(momentum=momentum)
-    kw |= dict(nesterov=True) if name == "SGD" else {}
-    return OPTIMIZERS[name](groups, lr=lr, **kw)
+    biases, norm_weights, weights = [], [], []
+    for module in model.modules():
+        norm = isinstance(module, (nn.BatchNorm2d, nn.SyncBatchNorm))
+        for kind, p in module.named_parameters(recurse=False):
+            if kind == "bias":
+                biases.append(p)
+            elif norm:
+                norm_weights.append(p)
+            else:
+                weights.append(p)
+    groups = [
+        dict(params=biases, initial_lr=lr, bias=True, weight_decay=0.0),
+        dict(params=norm_weights, initial_lr=lr, bias=False, weight_decay=0.0),
+        dict(params=weights, initial_lr=lr, bias=False, weight_decay=decay),
+    ]
+    if "Adam" in name:
+        settings = dict(betas=(momentum, 0.999))
+    elif name == "SGD":
+        settings = dict(momentum=momentum, nesterov=True)
+    else:
+        settings = dict(momentum=momentum)
+    return OPTIMIZERS[name](groups, lr=lr, **settings)
 
 
 def lr_factor(epoch: int, epochs: int, lrf: float, cos: bool = False) -> float:
@@ -295,14 +346,16 @@ def lr_factor(epoch: int, epochs: int, lrf: float, cos: bool = False) -> float:
     return (1 - epoch / epochs) * (1 - lrf) + lrf
 
 
-def warmup(optimizer, it: int, warmup_iters: int, lf: float, hyp: dict, accumulate: float) -> int:
-    """Warmup: lr (biases: from warmup_bias_lr) and momentum ramp up; returns the accumulation."""
-    xi = [0, warmup_iters]
-    for g in optimizer.param_groups:
-        start = hyp["warmup_bias_lr"] if g["bias"] else 0.0
-        g["lr"] = float(np.interp(it, xi, [start, g["initial_lr"] * lf]))
-        g["momentum"] = float(np.interp(it, xi, [hyp["warmup_momentum"], hyp["momentum"]]))
-    return max(1, round(float(np.interp(it, xi, [1, accumulate]))))
+def warmup(optimizer, iteration: int, warmup_iters: int, factor: float, hyp: dict, accumulate):
+    """Warmup: lr (biases: from warmup_bias_lr) and momentum ramp up, over warmup_iters iterations,
+    to the epoch's (factor: its lr_factor); returns the accumulation (ramping up to accumulate)."""
+    ramp = [0, warmup_iters]
+    for group in optimizer.param_groups:
+        start = hyp["warmup_bias_lr"] if group["bias"] else 0.0
+        group["lr"] = float(np.interp(iteration, ramp, [start, group["initial_lr"] * factor]))
+        momenta = [hyp["warmup_momentum"], hyp["momentum"]]
+        group["momentum"] = float(np.interp(iteration, ramp, momenta))
+    return max(1, round(float(np.interp(iteration, ramp, [1, accumulate]))))
 
 
 # ---------------------------------------------------------------- one epoch
@@ -312,12 +365,14 @@ def forward_loss(model, criterion: YOLOLoss, batch: dict, device, amp: torch.dty
     labels = [batch[k].to(device) for k in ("targets", "masks") if batch.get(k) is not None]
     with torch.autocast(device.type, amp, enabled=amp is not None):
         preds = model(images)
-    return criterion(preds, *labels)  # the targets, and a segmentation batch's masks
+    # the targets, and a segmentation batch's masks
+    return criterion(preds, *labels)
 
 
 def optimizer_step(model, optimizer, scaler, ema: ModelEMA | None) -> None:
     scaler.unscale_(optimizer)
-    nn.utils.clip_grad_norm_(model.parameters(), 10.0)  # yolov5's max_norm
+    # yolov5's max_norm
+    nn.utils.clip_grad_norm_(model.parameters(), 10.0)
     scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
@@ -325,100 +380,93 @@ def optimizer_step(model, optimizer, scaler, ema: ModelEMA | None) -> None:
         ema.update(model)
 
 
-def train_one_epoch(model, criterion, optimizer, scaler, ema, loader, epoch, args, hyp, save_dir):
-    """One epoch (detection: warmup, NOMINAL_BATCH images a step) -> (mean loss items, img/s)."""
-    # a non-finite loss raises FloatingPointError on every rank at once; no all-reduce until a step
+def train_one_epoch(
+    training: Training, setup: Setup, epoch: int, epoch_seconds: float | None = None
+) -> tuple[dict, float]:
+    """One epoch over setup's train loader (detection: warmup, NOMINAL_BATCH images a step) ->
+    (mean loss items, img/s). epoch_seconds: the mean wall time of this run's finished epochs (with
+    their validation and checkpoints; None in its first), for the whole run's eta."""
+    # A non-finite loss raises FloatingPointError on every rank at once; no all-reduce until a step.
+    args = setup.args
+    hyp = setup.hyp
+    model = training.model
+    criterion = training.criterion
+    optimizer = training.optimizer
+    scaler = training.scaler
     model.train()
-    device, n, detect = next(model.parameters()).device, len(loader), "warmup_epochs" in hyp
-    amp = amp_dtype(device, args.amp)
-    lf = lr_factor(epoch, args.epochs, hyp["lrf"], args.cos_lr)
-    for g in optimizer.param_groups:
-        g["lr"] = g["initial_lr"] * lf
-    warmup_iters = max(round(hyp.get("warmup_epochs", 0) * n), 100)
-    nominal_accumulate = NOMINAL_BATCH / args.batch_size  # batches a step once warmup is over
-    accumulate = max(round(nominal_accumulate), 1) if detect else 1
-    last_step = epoch * n - 1  # every epoch ends with a step: no gradients pending at a checkpoint
-    mean, start = 0.0, time.time()
-    for i, batch in enumerate(loader):
-        it = i + n * epoch
-        # classify: yolov5's crops, flips and colours, drawn per image, made per batch on the device
+    device = next(model.parameters()).device
+    batches = len(setup.loader)
+    detect = "warmup_epochs" in hyp
+    factor = lr_factor(epoch, args.epochs, hyp["lrf"], args.cos_lr)
+    for group in optimizer.param_groups:
+        group["lr"] = group["initial_lr"] * factor
+    warmup_iters = max(round(hyp.get("warmup_epochs", 0) * batches), 100)
+    # batches a step once warmup is over
+    nominal = NOMINAL_BATCH / args.batch_size
+    accumulate = max(round(nominal), 1) if detect else 1
+    # every epoch ends with a step: no gradients pending at a checkpoint
+    last_step = epoch * batches - 1
+    mean = 0.0
+    start = time.time()
+    for i, batch in enumerate(setup.loader):
+        iteration = i + batches * epoch
+        # A classifier's crops, flips and colours: drawn per image, made per batch on the device.
         if de_parallel(model).task == "classify":
             keys = [(args.seed, epoch, k) for k in batch["indices"].tolist()]
             images = batch["images"].to(device, non_blocking=True)
             batch["images"] = cls_augment.augment(images, batch["shapes"], keys)
-        if detect and it <= warmup_iters:
-            accumulate = warmup(optimizer, it, warmup_iters, lf, hyp, nominal_accumulate)
-        step = it - last_step >= accumulate or i == n - 1
+        if detect and iteration <= warmup_iters:
+            accumulate = warmup(
+                optimizer, iteration, warmup_iters, factor=factor, hyp=hyp, accumulate=nominal
+            )
+        step = iteration - last_step >= accumulate or i == batches - 1
         # DDP all-reduces the gradients in backward: only at a step
         with model.no_sync() if isinstance(model, DDP) and not step else contextlib.nullcontext():
-            loss, items = forward_loss(model, criterion, batch, device, amp)
+            loss, items = forward_loss(model, criterion, batch, device=device, amp=training.amp)
             values = dist.reduce_mean(torch.stack(list(items.values()))).cpu()
-            if not torch.isfinite(values).all():  # the same on every rank: all stop together
+            # the same on every rank: all stop together
+            if not torch.isfinite(values).all():
                 where = f"at epoch {epoch + 1}, iteration {i + 1}: training stopped; the last good"
-                last = f"checkpoint is {save_dir / 'weights' / 'last.pt'}"
+                last = f"checkpoint is {setup.save_dir / 'weights' / 'last.pt'}"
                 raise FloatingPointError(f"non-finite loss {values.tolist()} {where} {last}")
             scaler.scale(loss).backward()
         if step:
-            optimizer_step(model, optimizer, scaler, ema)
-            last_step = it
+            optimizer_step(model, optimizer, scaler, ema=training.ema)
+            last_step = iteration
         mean = (mean * i + values) / (i + 1)
-        if it == 0 and detect and dist.is_main():
-            labels = (batch["images"], batch["targets"], batch["masks"])
-            draw_later(*labels, fname=save_dir / "train_batch0.jpg", names=de_parallel(model).names)
+        if iteration == 0 and detect and dist.is_main():
+            path = setup.save_dir / "train_batch0.jpg"
+            names = de_parallel(model).names
+            draw_later(batch["images"], batch["targets"], batch["masks"], fname=path, names=names)
         if i == 0:
-            t0 = time.time()  # the throughput leaves out the first batch (workers start)
-        if dist.is_main() and ((i + 1) % args.log_every == 0 or i + 1 == n):
+            # the throughput leaves out the first batch (workers start)
+            t0 = time.time()
+        if dist.is_main() and ((i + 1) % args.log_every == 0 or i + 1 == batches):
             rate = (i + 1) / (time.time() - start)
-            mem = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # peak RSS, GB
-            mem = torch.cuda.max_memory_reserved() / 1e9 if torch.cuda.is_initialized() else mem
-            eta = datetime.timedelta(seconds=round((n - i - 1) / rate))
-            text = "  ".join(f"{k} {v:.4g}" for k, v in zip(items, mean.tolist()))
-            text += f"  instances {len(batch['targets'])}  mem {mem:.2f}G"
-            progress = f"epoch {epoch + 1}/{args.epochs} [{i + 1}/{n}]  {rate:.2f} it/s  eta {eta}"
-            print(f"{progress}  {text}", flush=True)
-    img_s = (n - 1) * args.batch_size / (time.time() - t0) if n > 1 else 0.0
+            epoch_left = (batches - i - 1) / rate
+            # the first epoch knows only its own training rate
+            run_left = epoch_left + (args.epochs - epoch - 1) * (epoch_seconds or batches / rate)
+            progress = f"epoch {epoch + 1}/{args.epochs} [{i + 1}/{batches}]  {rate:.2f} it/s"
+            eta = f"eta {clock(epoch_left)} (run {clock(run_left)})"
+            losses = "  ".join(f"{k} {v:.4g}" for k, v in zip(items, mean.tolist()))
+            usage = f"instances {len(batch['targets'])}  mem {peak_memory():.2f}G"
+            print(f"{progress}  {eta}  {losses}  {usage}", flush=True)
+    img_s = (batches - 1) * args.batch_size / (time.time() - t0) if batches > 1 else 0.0
     # train_batch0.jpg is written before the epoch ends
     finish_drawing()
     return dict(zip(items, mean.tolist())), img_s
 
 
-# ---------------------------------------------------------------- resume
-def resumed_args(cli, path: str, ckpt: dict) -> argparse.Namespace:
-    """The resumed run's own arguments, checked as the command line's are (their ranges: by
-    check_args); only --device and --amp may change."""
-    parser = get_args_parser()
-    defaults = vars(parser.parse_args([]))
-    stored = ckpt["args"]  # a dict: checkpoint.load checked
-    if set(stored) != set(defaults):
-        differ = sorted(map(str, set(stored) ^ set(defaults)))[:5]
-        raise ConfigError(f"--resume: {path}: not train.py's arguments ({differ})")
-    try:
-        own = parse_kwargs(parser, {k: v for k, v in stored.items() if k != "resume"})
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"--resume: {path}: its {e}") from None
-    if cli.resume and ckpt["epoch"] + 1 >= own.epochs:
-        raise ConfigError(f"--resume: {path}: the run is finished; start a new one (--weights)")
-    changed = {"resume": path, "device": cli.device, "amp": cli.amp}  # all else is the run's own
-    # a torchrun restart's arguments are the run's own; bare --resume searched --project
-    used = set(changed) | ({"project"} if cli.resume is True else set())
-    ignored = [k for k, v in vars(cli).items() if v != defaults[k] and k not in used]
-    if cli.resume and ignored:
-        flags = ", ".join("--" + k.replace("_", "-") for k in ignored)
-        dist.print0(f"warning: --resume continues {path} with its own arguments; ignoring {flags}")
-    return argparse.Namespace(**(vars(own) | changed))
+def peak_memory() -> float:
+    """This process's peak memory in GB: on CUDA the memory reserved, else the peak RSS."""
+    if torch.cuda.is_initialized():
+        return torch.cuda.max_memory_reserved() / 1e9
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
 
 
-def restore_training(ckpt: dict, training: dict, args, info) -> tuple[int, tuple]:
-    """Load a checkpoint into the training objects (model, ema, optimizer, scaler) and this rank's
-    random states. Returns (the epoch to start at, best (fitness, epoch))."""
-    try:
-        exact = checkpoint.restore(ckpt, **training, rank=info.rank, world_size=info.world_size)
-    except checkpoint.CheckpointError as e:
-        raise ConfigError(f"--resume: {args.resume}: {e}") from None
-    if not exact:
-        sizes = f"saved with world size {ckpt['rng']['world_size']}, now {info.world_size}"
-        dist.print0(f"warning: {sizes}: random states are not restored (not an exact resume)")
-    return ckpt["epoch"] + 1, (ckpt["best_fitness"], ckpt["best_epoch"])
+def clock(seconds: float) -> datetime.timedelta:
+    """A duration as h:mm:ss, to the second."""
+    return datetime.timedelta(seconds=round(seconds))
 
 
 # ---------------------------------------------------------------- callbacks
@@ -463,37 +511,95 @@ def run_callbacks(callbacks: dict, event: Event) -> None:
 
 
 # ---------------------------------------------------------------- the run
-def prepare(args, info, given: Model | None = None) -> tuple:
-    """Everything before the first epoch that bad input can stop: ConfigError (one line) then.
-    Returns (args, resumed checkpoint or None, hyp, model, train loader, val loader, save_dir)."""
+class Setup(NamedTuple):
+    """What `prepare` readies: the arguments (a resumed run's own), the checkpoint it resumes (None:
+    a new run), the recipe, the model (on the CPU), the train and val loaders, the run folder."""
+
+    args: argparse.Namespace
+    ckpt: dict | None
+    hyp: dict
+    model: Model
+    loader: torch.utils.data.DataLoader
+    val_loader: torch.utils.data.DataLoader
+    save_dir: Path
+
+
+def prepare(args, info, given: Model | None = None) -> Setup:
+    """Everything before the first epoch that bad input can stop: ConfigError (one line) then."""
     try:
-        ckpt, run_id = None, dist.torchrun_id()
+        run_id = dist.torchrun_id()
         if run_id:
             # the k-th training of a script finds the folder of its k-th before a restart
             run_id = f"{run_id}/training{next(TRAININGS_STARTED)}"
         check_numbers(args, info.world_size)
+        # A resume (--resume, or a torchrun restart): find the run's last.pt, read the run's own
+        # arguments, check them; `fit` restores its training state.
+        path = None
+        ckpt = None
         if resumed := dist.run_on_main(checkpoint.find_resume, args, run_id):
-            args, ckpt = resumed_args(args, *resumed), resumed[1]
-        with resumed_checks(args.resume if ckpt else None):
-            check_numbers(args, info.world_size)
-        torch.manual_seed(args.seed)  # the same initial weights on every rank
-        with dist.main_first():  # local rank 0 first: it writes the label caches (and shapes)
+            path, ckpt = resumed
+            args = resumed_args(args, path, ckpt)
+            with resumed_checks(path):
+                check_numbers(args, info.world_size)
+        # the same initial weights on every rank
+        torch.manual_seed(args.seed)
+        # local rank 0 first: it writes the label caches (and shapes)
+        with dist.main_first():
             data = datasets.load_data_config(args.data)
-            with resumed_checks(args.resume if ckpt else None):
+            with resumed_checks(path):
                 model = build_model(args, data, ckpt, given)
                 check_args(args, model.task, info.world_size)
                 if ckpt:
                     hyp = load_hyp(ckpt["hyp"], model.task, where="hyp")
                 else:
                     hyp = load_hyp(args.hyp, model.task)
-            loader, val_loader = build_loaders(args, hyp, model, data, info)
-        need = 36 * sum(p.numel() for p in model.parameters())  # 3 files of 3 fp32 copies
-        save_dir = dist.run_on_main(checkpoint.make_run_dir, args, hyp, run_id, need)
+            loader, val_loader = build_loaders(args, hyp, model, data=data, info=info)
+        # 3 files of 3 fp32 copies
+        need = 36 * sum(p.numel() for p in model.parameters())
+        save_dir = dist.run_on_main(
+            lambda: checkpoint.make_run_dir(args, hyp, run_id, need_bytes=need)
+        )
         if ckpt:
             dist.run_on_main(checkpoint.restore_results, ckpt, save_dir)
-    except (ValueError, OSError, RuntimeError, yaml.YAMLError) as e:  # DataError, CheckpointError
+    # DataError and CheckpointError are ValueErrors
+    except (ValueError, OSError, RuntimeError, yaml.YAMLError) as e:
         raise ConfigError(str(e).splitlines()[0]) from None
-    return args, ckpt, hyp, model, loader, val_loader, save_dir
+    return Setup(
+        args=args,
+        ckpt=ckpt,
+        hyp=hyp,
+        model=model,
+        loader=loader,
+        val_loader=val_loader,
+        save_dir=save_dir,
+    )
+
+
+def resumed_args(cli, path: str, ckpt: dict) -> argparse.Namespace:
+    """The resumed run's own arguments, checked as the command line's are (their ranges: by
+    check_numbers and check_args); only --device and --amp may change."""
+    parser = get_args_parser()
+    defaults = vars(parser.parse_args([]))
+    # a dict: checkpoint.load checked
+    stored = ckpt["args"]
+    if set(stored) != set(defaults):
+        differ = sorted(map(str, set(stored) ^ set(defaults)))[:5]
+        raise ConfigError(f"--resume: {path}: not train.py's arguments ({differ})")
+    try:
+        own = parse_kwargs(parser, {k: v for k, v in stored.items() if k != "resume"})
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"--resume: {path}: its {e}") from None
+    if cli.resume and ckpt["epoch"] + 1 >= own.epochs:
+        raise ConfigError(f"--resume: {path}: the run is finished; start a new one (--weights)")
+    # all else is the run's own
+    changed = {"resume": path, "device": cli.device, "amp": cli.amp}
+    # a torchrun restart's arguments are the run's own; bare --resume searched --project
+    used = set(changed) | ({"project"} if cli.resume is True else set())
+    ignored = [k for k, v in vars(cli).items() if v != defaults[k] and k not in used]
+    if cli.resume and ignored:
+        flags = ", ".join("--" + k.replace("_", "-") for k in ignored)
+        dist.print0(f"warning: --resume continues {path} with its own arguments; ignoring {flags}")
+    return argparse.Namespace(**(vars(own) | changed))
 
 
 @contextlib.contextmanager
@@ -507,26 +613,53 @@ def resumed_checks(path: str | None):
         raise ConfigError(f"--resume: {path}: its {e}") from None
 
 
-def build_training(model: Model, hyp: dict, args, info) -> tuple:
-    """(the model to train: DDP-wrapped under torchrun, criterion, optimizer, AMP scaler, EMA)."""
+class Training(NamedTuple):
+    """The objects `build_training` makes: the model to train (DDP-wrapped under torchrun), its
+    loss, optimizer, AMP scaler (enabled for fp16), EMA, and the autocast dtype (None: fp32)."""
+
+    model: nn.Module
+    criterion: nn.Module
+    optimizer: optim.Optimizer
+    scaler: torch.amp.GradScaler
+    ema: ModelEMA
+    amp: torch.dtype | None
+
+
+def build_training(model: Model, hyp: dict, args, info) -> Training:
+    """The model to train, its criterion, optimizer, AMP scaler and EMA (see Training)."""
     if model.task == "classify":
-        decay, criterion = hyp["weight_decay"], ClassifyLoss(label_smoothing=hyp["label_smoothing"])
-    else:  # detection's decay is for NOMINAL_BATCH images a step
+        decay = hyp["weight_decay"]
+        criterion = ClassifyLoss(label_smoothing=hyp["label_smoothing"])
+    else:
+        # detection's decay is for NOMINAL_BATCH images a step
         accumulate = max(round(NOMINAL_BATCH / args.batch_size), 1)
         decay = hyp["weight_decay"] * args.batch_size * accumulate / NOMINAL_BATCH
         loss_hyp = scale_hyp(hyp, model.nc, args.imgsz, model.head.nl)
         criterion = YOLOLoss(model, loss_hyp, info.world_size)
-    optimizer = build_optimizer(model, hyp["lr0"], hyp["momentum"], decay, args.optimizer)
-    amp = amp_dtype(info.device, args.amp)  # channels_last: the faster layout under autocast
+    optimizer = build_optimizer(
+        model, hyp["lr0"], hyp["momentum"], decay=decay, name=args.optimizer
+    )
+    amp = amp_dtype(info.device, args.amp)
+    # channels_last: the faster layout under autocast
     model = model.to(memory_format=torch.channels_last if amp else None)
-    scaler = torch.amp.GradScaler("cuda", enabled=amp == torch.float16)  # fp16 needs loss scaling
+    # fp16 needs loss scaling
+    scaler = torch.amp.GradScaler("cuda", enabled=amp == torch.float16)
     if info.world_size > 1:
         if args.sync_bn and info.device.type == "cuda":
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
         # DDP starts every rank from rank 0's weights (a model built in a script may differ)
         model = DDP(model, device_ids=[info.device.index] if info.device.type == "cuda" else None)
     ema = ModelEMA(model)
-    return model, criterion, optimizer, scaler, ema
+    return Training(
+        model=model, criterion=criterion, optimizer=optimizer, scaler=scaler, ema=ema, amp=amp
+    )
+
+
+class Best(NamedTuple):
+    """The best validation so far: its fitness and epoch (0-based); the later of equal ones."""
+
+    fitness: float
+    epoch: int
 
 
 def fit(args, info, given: Model | None = None, callbacks: dict | None = None) -> dict:
@@ -534,105 +667,177 @@ def fit(args, info, given: Model | None = None, callbacks: dict | None = None) -
     best_fitness, metrics (best.pt), img_s, model: the trained Model, eval mode, with best.pt's
     weights (else last.pt's)}; callbacks: {event: [functions]} (see EVENTS)."""
     callbacks = callbacks or {}
-    args, ckpt, hyp, model, loader, val_loader, save_dir = prepare(args, info, given)
-    for seed in (random.seed, np.random.seed, torch.manual_seed):
-        seed(args.seed + info.rank)  # augmentation has its own seeds, per sample
-    model, amp, task = model.to(info.device), amp_dtype(info.device, args.amp), model.task
-    if not ckpt and not args.noautoanchor and task != "classify":
-        autoanchor(model, loader.dataset, hyp["anchor_t"], args)
-    model, criterion, optimizer, scaler, ema = build_training(model, hyp, args, info)
-    start, best = 0, (0.0, 0)  # best: (fitness, epoch)
-    if ckpt:  # what `checkpoint.training_state` saves at the end of each epoch, below
-        training = dict(model=de_parallel(model), ema=ema, optimizer=optimizer, scaler=scaler)
-        start, best = restore_training(ckpt, training, args, info)
-        dist.print0(f"Resuming {save_dir} at epoch {start + 1}/{args.epochs}")
-    where = f"{info.world_size} rank(s) on {info.device.type}, batch {args.batch_size}"
-    dist.print0(f"{task} training: {where}, {args.epochs} epochs, in {save_dir}")
-    t_start, img_s, epoch, metrics, losses = time.time(), [], start - 1, None, {}
+    setup = prepare(args, info, given)
+    args = setup.args
+    training = start_training(setup, info)
+    start = 0
+    best = Best(0.0, 0)
+    if setup.ckpt:
+        start, best = resume(setup, training, info)
+    print_start(setup, info, training.amp)
+    # the run's constants; each event replaces its name, epoch, losses and metrics
+    event = Event("", 0, losses={}, metrics=None, save_dir=setup.save_dir, rank=info.rank)
+    t_start = time.time()
+    img_s = []
+    epoch = start - 1
+    metrics = None
     for epoch in range(start, args.epochs):
-        loader.sampler.set_epoch(epoch)
-        step = (model, criterion, optimizer, scaler, ema, loader, epoch, args, hyp, save_dir)
-        losses, speed = train_one_epoch(*step)
+        setup.loader.sampler.set_epoch(epoch)
+        # the mean wall time of the epochs this run finished
+        epoch_seconds = (time.time() - t_start) / (epoch - start) if epoch > start else None
+        losses, speed = train_one_epoch(training, setup, epoch, epoch_seconds=epoch_seconds)
         img_s.append(speed)
-        event = Event("on_train_epoch_end", epoch + 1, losses, None, save_dir, info.rank)
+        event = event._replace(name="on_train_epoch_end", epoch=epoch + 1, losses=losses)
         run_callbacks(callbacks, event)
+        final = epoch + 1 == args.epochs
         metrics = None
-        if epoch + 1 == args.epochs or not args.noval:  # BN buffers differ between DDP ranks:
-            dist.broadcast_tensors(ema.ema.state_dict().values())  # all validate rank 0's EMA
-            plots = save_dir if epoch + 1 == args.epochs else None  # as the final validation's
-            metrics = validator.evaluate(ema.ema, val_loader, plots_dir=plots, amp=amp)
-            best = max(best, (metrics["fitness"], epoch))  # equal fitness: the later epoch
-        stop = metrics and args.patience and epoch - best[1] >= args.patience
+        if final or not args.noval:
+            # BN buffers differ between DDP ranks: all validate rank 0's EMA
+            dist.broadcast_tensors(training.ema.ema.state_dict().values())
+            # the plots of the final validation only
+            plots = setup.save_dir if final else None
+            metrics = validator.evaluate(
+                training.ema.ema, setup.val_loader, plots_dir=plots, amp=training.amp
+            )
+            # equal fitness: the later epoch
+            best = max(best, Best(metrics["fitness"], epoch))
+        stop = metrics is not None and 0 < args.patience <= epoch - best.epoch
+        fitted = event._replace(name="on_fit_epoch_end", metrics=metrics)
         rngs = dist.all_gather_object(checkpoint.rng_state())
         if info.rank == 0:
-            saves = stop or epoch + 1 == args.epochs or not args.nosave
-            opt = (optimizer, scaler, epoch, best, args, hyp, rngs)
-            state = checkpoint.training_state(de_parallel(model), ema, *opt) if saves else None
-            row = (save_dir, epoch, losses, metrics, optimizer, task)  # results_text's arguments
-            save_epoch(state, bool(metrics) and best[1] == epoch, row)
+            save_epoch(setup, training, fitted, best=best, rngs=rngs, last=stop or final)
             print_epoch(epoch, args.epochs, speed, metrics)
-        dist.barrier()  # the checkpoints are on disk before any rank goes on
-        run_callbacks(callbacks, event._replace(name="on_fit_epoch_end", metrics=metrics))
+        # the checkpoints are on disk before any rank goes on
+        dist.barrier()
+        run_callbacks(callbacks, fitted)
         if stop:
-            best_epoch = f"the best was epoch {best[1] + 1}"
+            best_epoch = f"the best was epoch {best.epoch + 1}"
             dist.print0(f"Early stop: no improvement in {args.patience} epochs, {best_epoch}")
             break
-    dist.print0(f"{epoch + 1 - start} epochs in {(time.time() - t_start) / 3600:.3f} hours")
-    if best[1] != epoch or not metrics:  # best.pt (else last.pt) is not the model validated last
-        metrics = validate_saved(ema, val_loader, save_dir, amp)
-    dist.print0(validator.format_table(metrics, ema.ema.names) + f"\nResults saved to {save_dir}")
+    dist.print0(f"{epoch + 1 - start} epochs in {(time.time() - t_start) / 60:.1f} minutes")
+    # best.pt (else last.pt) is not the model validated last
+    if best.epoch != epoch or not metrics:
+        metrics = validate_saved(training, setup.val_loader, setup.save_dir)
+    table = validator.format_table(metrics, training.ema.ema.names)
+    dist.print0(f"{table}\nResults saved to {setup.save_dir}")
     # the trained model itself (YOLO.train's object) takes the final weights
-    trained = de_parallel(model).to(memory_format=torch.contiguous_format).eval()
-    trained.load_state_dict(ema.ema.state_dict())
-    end = Event("on_train_end", epoch + 1, losses, metrics, save_dir, info.rank)
-    run_callbacks(callbacks, end)
-    out = dict(save_dir=str(save_dir), data=args.data, epochs=epoch + 1, best_fitness=best[0])
-    return out | dict(metrics=metrics, img_s=img_s, model=trained)
+    trained = de_parallel(training.model).to(memory_format=torch.contiguous_format).eval()
+    trained.load_state_dict(training.ema.ema.state_dict())
+    run_callbacks(callbacks, event._replace(name="on_train_end", epoch=epoch + 1, metrics=metrics))
+    return dict(
+        save_dir=str(setup.save_dir),
+        data=args.data,
+        epochs=epoch + 1,
+        best_fitness=best.fitness,
+        metrics=metrics,
+        img_s=img_s,
+        model=trained,
+    )
 
 
-def save_epoch(state: dict | None, is_best: bool, row: tuple) -> None:
-    """An epoch's last.pt (and best.pt) from state (None: no checkpoint this epoch), then its
-    results.csv row (row: results_text's arguments). The checkpoint holds results.csv as it will be
-    (a resume restores it), and a Ctrl-C or SIGTERM meanwhile takes effect after both:
-    results.csv lists the epochs that last.pt holds."""
-    save_dir = row[0]
-    text = results_text(*row)
-    with checkpoint.signals_held():
-        if state is not None:
-            state["results_csv"] = text
-            checkpoint.save(state, save_dir / "weights" / "last.pt")
-        if state is not None and is_best:
-            checkpoint.save(state, save_dir / "weights" / "best.pt")
-        (save_dir / "results.csv").write_text(text)
+def start_training(setup: Setup, info) -> Training:
+    """Seed this rank, move the model to its device, fit its anchors (AutoAnchor: a new detection
+    run, unless --noautoanchor) and make it ready to train (see Training)."""
+    args = setup.args
+    # augmentation has its own seeds, per sample
+    for seed in (random.seed, np.random.seed, torch.manual_seed):
+        seed(args.seed + info.rank)
+    model = setup.model.to(info.device)
+    if not setup.ckpt and not args.noautoanchor and model.task != "classify":
+        autoanchor(model, setup.loader.dataset, setup.hyp["anchor_t"], args=args)
+    return build_training(model, setup.hyp, args, info)
 
 
-def validate_saved(ema: ModelEMA, val_loader, save_dir: Path, amp) -> dict:
-    """Load best.pt's (else last.pt's) EMA weights into ema (rank 0 reads the file) and validate."""
-    path = save_dir / "weights" / "best.pt"
-    if not path.is_file():
-        path = path.with_name("last.pt")
-    dist.print0(f"Validating {path}")
-    ema.ema.load_state_dict(dist.run_on_main(lambda: checkpoint.load(path)["ema"]))
-    return validator.evaluate(ema.ema, val_loader, plots_dir=save_dir, amp=amp)
+def print_start(setup: Setup, info, amp: torch.dtype | None) -> None:
+    """The run's first lines: its task, ranks, device, batch, epochs and folder; its precision."""
+    args = setup.args
+    device = info.device.type
+    if device == "cuda":
+        device += f" ({torch.cuda.get_device_name(info.device)})"
+    where = f"{info.world_size} rank(s) on {device}, batch {args.batch_size}"
+    dist.print0(f"{setup.model.task} training: {where}, {args.epochs} epochs, in {setup.save_dir}")
+    dist.print0(f"precision: {PRECISIONS[amp]} (--amp {args.amp})")
 
 
-def autoanchor(model: Model, train_set, thr: float, args) -> None:
+def autoanchor(model: Model, train_set, threshold: float, args) -> None:
     """AutoAnchor on rank 0, in pixels; every rank gets its anchors, in grid units."""
     stride = model.stride.view(-1, 1, 1).to(model.head.anchors)
     pixels = (model.head.anchors * stride).view(-1, 2).cpu().numpy()
-    new = dist.run_on_main(check_anchors, train_set.labels, pixels, thr, args.imgsz, args.seed)
+    new = dist.run_on_main(
+        lambda: check_anchors(train_set.labels, pixels, threshold, imgsz=args.imgsz, seed=args.seed)
+    )
     if new is not None:
         new = torch.from_numpy(new).to(stride).view_as(model.head.anchors)
-        model.head.anchors[:] = new / stride  # pixels -> grid units
+        # pixels -> grid units
+        model.head.anchors[:] = new / stride
 
 
-def results_text(save_dir: Path, epoch: int, losses: dict, metrics, optimizer, task) -> str:
+# ---------------------------------------------------------------- resume and save
+def resume(setup: Setup, training: Training, info) -> tuple[int, Best]:
+    """Restore what `save_epoch` saved into the fresh training objects: the model, EMA, optimizer,
+    AMP scaler, and this rank's random states. Returns the epoch to start at (the one after the
+    saved one) and the best validation so far."""
+    ckpt = setup.ckpt
+    try:
+        exact = checkpoint.restore(
+            ckpt,
+            de_parallel(training.model),
+            training.ema,
+            optimizer=training.optimizer,
+            scaler=training.scaler,
+            rank=info.rank,
+            world_size=info.world_size,
+        )
+    except checkpoint.CheckpointError as e:
+        raise ConfigError(f"--resume: {setup.args.resume}: {e}") from None
+    if not exact:
+        sizes = f"saved with world size {ckpt['rng']['world_size']}, now {info.world_size}"
+        dist.print0(f"warning: {sizes}: random states are not restored (not an exact resume)")
+    start = ckpt["epoch"] + 1
+    dist.print0(f"Resuming {setup.save_dir} at epoch {start + 1}/{setup.args.epochs}")
+    return start, Best(ckpt["best_fitness"], ckpt["best_epoch"])
+
+
+def save_epoch(setup: Setup, training: Training, fitted: Event, best: Best, rngs, last) -> None:
+    """On rank 0: the epoch's (fitted: its event after validation) last.pt, and best.pt if it
+    validated best, with all a resume needs (rngs: every rank's random states), then its
+    results.csv row; under --nosave only the run's last epoch's (final or early-stopped). The
+    checkpoint holds results.csv as it will be (a resume restores it), and a Ctrl-C or SIGTERM
+    meanwhile takes effect after both: results.csv lists the epochs that last.pt holds."""
+    epoch = fitted.epoch - 1
+    state = None
+    if last or not setup.args.nosave:
+        state = checkpoint.training_state(
+            de_parallel(training.model),
+            training.ema,
+            training.optimizer,
+            scaler=training.scaler,
+            epoch=epoch,
+            best=best,
+            args=setup.args,
+            hyp=setup.hyp,
+            rngs=rngs,
+        )
+    text = results_text(
+        setup, epoch, fitted.losses, metrics=fitted.metrics, optimizer=training.optimizer
+    )
+    weights = setup.save_dir / "weights"
+    with checkpoint.signals_held():
+        if state is not None:
+            state["results_csv"] = text
+            checkpoint.save(state, weights / "last.pt")
+            if fitted.metrics and best.epoch == epoch:
+                checkpoint.save(state, weights / "best.pt")
+        (setup.save_dir / "results.csv").write_text(text)
+
+
+def results_text(setup: Setup, epoch: int, losses: dict, metrics, optimizer) -> str:
     """results.csv with epoch's row (a resumed run first drops the rows after its checkpoint)."""
-    names = metric_names(KINDS[task])
+    names = metric_names(KINDS[setup.model.task])
     row = {"epoch": epoch + 1} | {f"train/{k}_loss": v for k, v in losses.items()}
     row |= {f"metrics/{k}": metrics["metrics"][k] if metrics else "" for k in names}
     row |= {f"lr/pg{j}": g["lr"] for j, g in enumerate(optimizer.param_groups)}
-    path = save_dir / "results.csv"
+    path = setup.save_dir / "results.csv"
     lines = path.read_text().splitlines(keepends=True)[: epoch + 1] if path.exists() else []
     lines = lines or [",".join(row) + "\n"]
     return "".join(lines) + ",".join(map(str, row.values())) + "\n"
@@ -644,6 +849,19 @@ def print_epoch(epoch: int, epochs: int, img_s: float, metrics: dict | None) -> 
     print(f"epoch {epoch + 1}/{epochs}: {img_s:.1f} img/s  {val}", flush=True)
 
 
+def validate_saved(training: Training, val_loader, save_dir: Path) -> dict:
+    """Load best.pt's (else last.pt's) EMA weights into the training's EMA (rank 0 reads the file)
+    and validate them."""
+    path = save_dir / "weights" / "best.pt"
+    if not path.is_file():
+        path = path.with_name("last.pt")
+    dist.print0(f"Validating {path}")
+    ema = training.ema.ema
+    ema.load_state_dict(dist.run_on_main(lambda: checkpoint.load(path)["ema"]))
+    return validator.evaluate(ema, val_loader, plots_dir=save_dir, amp=training.amp)
+
+
+# ---------------------------------------------------------------- entry points
 def main(args: argparse.Namespace, model: Model | None = None, callbacks=None) -> dict:
     """Train (see `fit`); the process group lives as long as the call."""
     try:
