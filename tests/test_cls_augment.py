@@ -114,3 +114,13 @@ def test_cache_holds_the_samples(tmp_path, capsys):
     for k in range(3):
         assert torch.equal(ds[k]["image"], plain[k]["image"]) and ds[k]["shape"] == (20, 30 + k)
     assert math.prod(ds[0]["image"].shape) == 3 * 16 * 16
+
+
+def test_a_batch_without_jitter_or_of_one_image():
+    """Batches where no image is jittered (one image, or all its draws unjittered) work too."""
+    image = torch.randint(0, 255, (1, 3, 32, 32), dtype=torch.uint8)
+    unjittered = [k for k in range(200) if draw((0, 0, k), 32, 32)[2] == (1.0, 1.0, 1.0)][:3]
+    out = augment(image.expand(3, -1, -1, -1), [(32, 32)] * 3, [(0, 0, k) for k in unjittered])
+    assert out.shape == (3, 3, 32, 32) and out.dtype == torch.uint8
+    one = augment(image, [(32, 32)], [(0, 0, unjittered[0])])
+    assert torch.equal(one[0], out[0])

@@ -64,16 +64,28 @@ def augment(images: torch.Tensor, sizes: list, keys: list) -> torch.Tensor:
     side = images.shape[-1]
     device = images.device
     rois = [[k, *(v * side for v in box)] for k, box in enumerate(boxes)]
-    # copies to the device that do not wait for it, and flips as a select, not a mask (on a GPU,
-    # either would wait for the previous step to end)
+    jittered = [k for k, colour in enumerate(colours) if colour != (1.0, 1.0, 1.0)]
+    # Copies to the device that do not wait for it, and a select and index lists made on the host
+    # rather than masks (on a GPU, a mask would wait for the previous step to end).
     rois = torch.tensor(rois).to(device, non_blocking=True)
     flips = torch.tensor(flips).to(device, non_blocking=True)
-    factors = torch.tensor(colours).to(device, non_blocking=True)
+    factors = torch.tensor([colours[k] for k in jittered]).view(-1, 3)
+    factors = factors.to(device, non_blocking=True)
+    jittered = torch.tensor(jittered, dtype=torch.long).to(device, non_blocking=True)
     # aligned: box edges are pixel edges; sampling_ratio -1: ceil(box / side) samples a pixel
     # and axis, averaged, so that a crop is smoothed as it shrinks
     x = roi_align(images.float(), rois, side, sampling_ratio=-1, aligned=True)
-    x = torch.where(flips.view(-1, 1, 1, 1), x.flip(-1), x)
-    brightness, contrast, saturation = factors.T.reshape(3, -1, 1, 1, 1)
+    # Only the jittered half pays for the colour arithmetic.
+    x[jittered] = jitter(x[jittered], factors)
+    x = x.clamp_(0, 255).round_().byte()
+    # A flip commutes with the per-pixel colour maps, so it is done last, on the uint8 images.
+    return torch.where(flips.view(-1, 1, 1, 1), x.flip(-1), x)
+
+
+def jitter(x: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
+    """float (n,3,S,S) 0-255 with each image's (brightness, contrast, saturation) factors (n,3)
+    applied -> float (n,3,S,S), not clamped."""
+    brightness, contrast, saturation = factors.T[..., None, None, None]
     # torchvision's saturation, contrast and brightness are linear maps that commute, so they
     # are one map, clamped once (torchvision clamps after each: it differs where a pixel
     # saturates between). Saturation blends each pixel with its gray, contrast the image with
@@ -82,4 +94,12 @@ def augment(images: torch.Tensor, sizes: list, keys: list) -> torch.Tensor:
     mean = gray.mean((1, 2, 3), keepdim=True)
     x = torch.lerp(gray, x, saturation)
     x = torch.lerp(mean, x, contrast)
-    return (brightness * x).clamp_(0, 255).round_().byte()
+    return brightness * x
+
+
+def augment_batch(batch: dict, seed: int, epoch: int, device: torch.device) -> None:
+    """Replace batch["images"] (uint8, on the CPU) by their augmented copies on device, each
+    image k by the draw of its key (seed, epoch, batch["indices"][k])."""
+    keys = [(seed, epoch, index) for index in batch["indices"].tolist()]
+    images = batch["images"].to(device, non_blocking=True)
+    batch["images"] = augment(images, batch["shapes"], keys)

@@ -412,9 +412,7 @@ def train_one_epoch(
         iteration = i + batches * epoch
         # A classifier's crops, flips and colours: drawn per image, made per batch on the device.
         if de_parallel(model).task == "classify":
-            keys = [(args.seed, epoch, k) for k in batch["indices"].tolist()]
-            images = batch["images"].to(device, non_blocking=True)
-            batch["images"] = cls_augment.augment(images, batch["shapes"], keys)
+            cls_augment.augment_batch(batch, seed=args.seed, epoch=epoch, device=device)
         if detect and iteration <= warmup_iters:
             accumulate = warmup(
                 optimizer, iteration, warmup_iters, factor=factor, hyp=hyp, accumulate=nominal
@@ -435,9 +433,7 @@ def train_one_epoch(
             last_step = iteration
         mean = (mean * i + values) / (i + 1)
         if iteration == 0 and detect and dist.is_main():
-            path = setup.save_dir / "train_batch0.jpg"
-            names = de_parallel(model).names
-            draw_later(batch["images"], batch["targets"], batch["masks"], fname=path, names=names)
+            draw_first_batch(batch, names=de_parallel(model).names, save_dir=setup.save_dir)
         if i == 0:
             # the throughput leaves out the first batch (workers start)
             t0 = time.time()
@@ -455,6 +451,12 @@ def train_one_epoch(
     # train_batch0.jpg is written before the epoch ends
     finish_drawing()
     return dict(zip(items, mean.tolist())), img_s
+
+
+def draw_first_batch(batch: dict, names: list, save_dir: Path) -> None:
+    """save_dir/train_batch0.jpg: the first training batch with its labels, drawn in a thread."""
+    path = save_dir / "train_batch0.jpg"
+    draw_later(batch["images"], batch["targets"], batch["masks"], fname=path, names=names)
 
 
 def peak_memory() -> float:
