@@ -62,3 +62,17 @@ def test_val_and_predict_take_no_abbreviations():
         validator.get_args_parser().parse_args(val_args + ["--conf", "0.5"])
     with pytest.raises(SystemExit):
         predictor.get_args_parser().parse_args(predict_args + ["--conf", "0.5"])
+
+
+def test_cache_and_freeze_are_checked_apart():
+    """A resumed args.yaml bypasses argparse: each bad value gets its own message."""
+    parser = trainer.get_args_parser()
+    args = parser.parse_args([])
+    args.cache = "disk"
+    with pytest.raises(cli.ConfigError, match=r"^--cache disk: one of auto, ram, off$"):
+        trainer.check_args(args, "detect", 1)
+    args = parser.parse_args([])
+    args.freeze = ["3"]
+    message = r"^--freeze \['3'\]: layer numbers must be integers$"
+    with pytest.raises(cli.ConfigError, match=message):
+        trainer.check_args(args, "detect", 1)

@@ -187,8 +187,11 @@ def check_args(args: argparse.Namespace, task: str, world_size: int) -> None:
     defaults = TASK_DEFAULTS.get(task, DEFAULTS)
     vars(args).update({k: v for k, v in defaults.items() if getattr(args, k) is None})
     check_numbers(args, world_size)
-    if args.cache not in ("auto", "ram", "off") or not all(type(f) is int for f in args.freeze):
-        raise ConfigError("--cache must be auto, ram or off, and --freeze integers")
+    # A resumed run's arguments come from its args.yaml, past argparse's choices and types.
+    if args.cache not in ("auto", "ram", "off"):
+        raise ConfigError(f"--cache {args.cache}: one of auto, ram, off")
+    if not all(type(layer) is int for layer in args.freeze):
+        raise ConfigError(f"--freeze {args.freeze}: layer numbers must be integers")
     if args.optimizer not in OPTIMIZERS:
         raise ConfigError(f"--optimizer {args.optimizer}: one of {', '.join(OPTIMIZERS)}")
     args.imgsz = validator.round_imgsz(args.imgsz, 32)
