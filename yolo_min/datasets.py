@@ -120,6 +120,25 @@ def available_memory() -> int:
         return 0
 
 
+def cache_in_ram(load, count: int, size: int, cache, local_world_size: int, prefix, verbose):
+    """[load(i) for i in range(count)] decoded on threads when --cache says so, else None. size:
+    their bytes; "ram": always (DataError if this node's processes would not fit), "auto": if
+    they need under 10% of the available memory, any other value: never."""
+    free = available_memory()
+    need = size * local_world_size
+    if cache == "ram" and free and need > free:
+        gb = f"needs {need / 1e9:.1f} GB, {free / 1e9:.1f} GB is available"
+        raise DataError(f"{prefix}caching the images in RAM {gb}: use --cache off")
+    # auto: if small enough, decode each image once instead of in every epoch (forked workers
+    # share these pages)
+    if not (cache == "ram" or (cache == "auto" and need < free / 10)):
+        return None
+    images = thread_map(load, range(count))
+    if verbose:
+        print(f"{prefix}{count} images cached in RAM ({size / 1e6:.0f} MB)", flush=True)
+    return images
+
+
 class YOLODataset(Dataset):
     """YOLO images and labels as training (mosaic) or validation (letterbox) samples: `image` uint8
     (3,H,W) RGB; `targets` float32 (n,5) [cls, cx, cy, w, h] normalised; `masks` (H/4,W/4) overlap
@@ -165,21 +184,19 @@ class YOLODataset(Dataset):
         # each image's (w, h) in the RAM cache: long side imgsz
         long_side = hw.max(1, keepdims=True)
         self._dims = np.round(hw[:, ::-1] * imgsz / long_side).astype(int)
-        size = int(self._dims.prod(1).sum()) * 3
-        free = available_memory()
-        need = size * local_world_size
+        scales = self._dims[:, 0] / hw[:, 1]
+        dims = self._dims.tolist()
+        # load_image reads the cache: empty while it is being filled
         self._ram = None
-        if cache == "ram" and free and need > free:
-            gb = f"needs {need / 1e9:.1f} GB, {free / 1e9:.1f} GB is available"
-            raise DataError(f"{prefix}caching the images in RAM {gb}: use --cache off")
-        # auto: if small enough, decode each image once instead of in every epoch (forked workers
-        # share these pages)
-        if cache == "ram" or (cache == "auto" and need < free / 10):
-            scales = self._dims[:, 0] / hw[:, 1]
-            loaded = thread_map(self.load_image, range(len(self)), scales, self._dims.tolist())
-            self._ram = [image for image, _ in loaded]
-            if verbose:
-                print(f"{prefix}{len(self)} images cached in RAM ({size / 1e6:.0f} MB)", flush=True)
+        self._ram = cache_in_ram(
+            lambda i: self.load_image(i, scales[i], dims[i])[0],
+            count=len(self),
+            size=int(self._dims.prod(1).sum()) * 3,
+            cache=cache,
+            local_world_size=local_world_size,
+            prefix=prefix,
+            verbose=verbose,
+        )
 
     def _batch_shapes(self, aspect, stride):
         """Sorted h/w ratios -> each batch's input (H, W): the batch's most extreme image fits
@@ -410,15 +427,15 @@ class ClassifyDataset(ImageFolder):
             print(f"{prefix}{len(checks)} images, {self.stats['corrupt']} corrupt", flush=True)
         if not self.samples:
             raise DataError(f"{prefix}no usable images in {root}: all are corrupt")
-        size, free, self._ram = len(self.samples) * 3 * imgsz**2, available_memory(), None
-        need = size * local_world_size
-        if cache == "ram" and free and need > free:
-            gb = f"needs {need / 1e9:.1f} GB, {free / 1e9:.1f} GB is available"
-            raise DataError(f"{prefix}caching the images in RAM {gb}: use --cache off")
-        if cache == "ram" or (cache == "auto" and need < free / 10):
-            self._ram = thread_map(self.load, range(len(self.samples)))
-            if verbose:
-                print(f"{prefix}{len(self)} images cached in RAM ({size / 1e6:.0f} MB)", flush=True)
+        self._ram = cache_in_ram(
+            self.load,
+            count=len(self.samples),
+            size=len(self.samples) * 3 * imgsz**2,
+            cache=cache,
+            local_world_size=local_world_size,
+            prefix=prefix,
+            verbose=verbose,
+        )
 
     def make_dataset(self, directory, class_to_idx, extensions=None, is_valid_file=None, **kw):
         """(path, class) of the images under directory/<class>/: ImageFolder's, but each real file
