@@ -154,22 +154,17 @@ def load_hyp(changes: str | dict, task: str = "detect", where: str = "--hyp") ->
         raise ConfigError(f"{where}: not a mapping of recipe keys to numbers (a {kind})")
     if unknown := sorted(str(k) for k in set(changes) - set(recipe)):
         raise ConfigError(f"{where}: unknown keys {unknown[:5]} (known: {', '.join(recipe)})")
-    for k, v in changes.items():
-        check_hyp_value(k, v, where)
+    # each value: a finite number in its key's range (HYP_RANGES), 0 for a key not implemented
+    for key, value in changes.items():
+        if type(value) not in (int, float) or not math.isfinite(value):
+            raise ConfigError(f"{where}: {key} is {reprlib.repr(value)}, not a finite number")
+        if key in NOT_IMPLEMENTED and value != 0:
+            why = "not implemented by yolo_min (only 0 is accepted)"
+            raise ConfigError(f"{where}: {key} is {value:g}: {why}")
+        bounds = HYP_RANGES.get(key)
+        if bounds and not in_range(value, bounds):
+            raise ConfigError(f"{where}: {key} is {value:g}, outside its range {bounds}")
     return recipe | {k: float(v) for k, v in changes.items()}
-
-
-def check_hyp_value(key: str, value, where: str = "--hyp") -> None:
-    """ConfigError unless value is a finite number in key's range (HYP_RANGES), 0 for a key that
-    is not implemented."""
-    if type(value) not in (int, float) or not math.isfinite(value):
-        raise ConfigError(f"{where}: {key} is {reprlib.repr(value)}, not a finite number")
-    if key in NOT_IMPLEMENTED and value != 0:
-        why = "not implemented by yolo_min (only 0 is accepted)"
-        raise ConfigError(f"{where}: {key} is {value:g}: {why}")
-    bounds = HYP_RANGES.get(key)
-    if bounds and not in_range(value, bounds):
-        raise ConfigError(f"{where}: {key} is {value:g}, outside its range {bounds}")
 
 
 def in_range(value: float, bounds: str) -> bool:
@@ -235,20 +230,22 @@ def frozen_layers(freeze: list[int], model: Model) -> set[int]:
 def build_model(args, data: dict, ckpt: dict | None, given: Model | None = None) -> Model:
     """The model to train with data's classes: the given one (YOLO.train), else --cfg (resumed:
     its own) with --weights' fitting tensors; then --freeze."""
-    if given is not None and given.nc == data["nc"]:
+    if given is None:
+        model = Model(ckpt["model_cfg"] if ckpt else args.cfg, nc=data["nc"])
+        if args.weights and not ckpt:
+            # the anchors stay --cfg's, then AutoAnchor's
+            kept = transfer(
+                safe_load.load_model(args.weights).state_dict(), model, keep_anchors=False
+            )
+            dist.print0(f"Transferred {kept}/{len(model.state_dict())} items from {args.weights}")
+    elif given.nc == data["nc"]:
         model = given
-    elif given is not None:
+    else:
         # the classes differ: a new head for the data's, every other weight carried over
         model = Model(given.yaml, nc=data["nc"])
         kept = transfer(given.state_dict(), model, keep_anchors=True)
         where = f"the model's {given.nc} classes -> the data's {data['nc']}"
         dist.print0(f"New head ({where}): transferred {kept}/{len(model.state_dict())} items")
-    else:
-        model = Model(ckpt["model_cfg"] if ckpt else args.cfg, nc=data["nc"])
-    if args.weights and not ckpt and given is None:
-        # the anchors stay --cfg's, then AutoAnchor's
-        kept = transfer(safe_load.load_model(args.weights).state_dict(), model, keep_anchors=False)
-        dist.print0(f"Transferred {kept}/{len(model.state_dict())} items from {args.weights}")
     frozen = frozen_layers(args.freeze, model)
     for k, p in model.named_parameters():
         p.requires_grad = int(k.split(".")[1]) not in frozen
@@ -259,17 +256,22 @@ def build_model(args, data: dict, ckpt: dict | None, given: Model | None = None)
 def transfer(state: dict, model: nn.Module, keep_anchors: bool) -> int:
     """Load the tensors of state whose name and shape fit model; returns how many."""
     have = model.state_dict()
-    fits = {k: v for k, v in state.items() if k in have and v.shape == have[k].shape}
-    if not keep_anchors:
-        fits = {k: v for k, v in fits.items() if not k.endswith("anchors")}
+    fits = {
+        k: v
+        for k, v in state.items()
+        if k in have and v.shape == have[k].shape and (keep_anchors or not k.endswith("anchors"))
+    }
     model.load_state_dict(fits, strict=False)
     return len(fits)
 
 
 def build_loaders(args, hyp: dict, model: Model, data: dict, info) -> tuple:
-    """(train, val) DataLoaders of YOLODatasets (mosaic; rect val batches) or ClassifyDatasets."""
+    """(train, val) DataLoaders of YOLODatasets (mosaic; rect val batches) or ClassifyDatasets;
+    ConfigError if training would take batches of one image (batch or images per rank 1) that
+    BatchNorm cannot train on at --imgsz."""
     datasets.check_task(data, model.task)
     batch = args.batch_size // info.world_size
+    stride = int(model.stride.max())
     # --cache off: any value but auto and ram
     shared = dict(
         imgsz=args.imgsz,
@@ -281,7 +283,6 @@ def build_loaders(args, hyp: dict, model: Model, data: dict, info) -> tuple:
         train = ClassifyDataset(data["train"][0], augment=True, prefix="train: ", **shared)
         val = ClassifyDataset(data["val"][0], prefix="val: ", **shared)
     else:
-        stride = int(model.stride.max())
         shared |= dict(task=model.task, stride=stride, nc=data["nc"], hyp=hyp)
         train = YOLODataset(
             data["train"], augment=True, batch_size=batch, prefix="train: ", **shared
@@ -290,9 +291,14 @@ def build_loaders(args, hyp: dict, model: Model, data: dict, info) -> tuple:
     if model.task == "segment":
         train.check_polygons()
     # BatchNorm cannot train on a batch of one image where the last feature map is 1x1
-    one_fails = args.imgsz <= int(model.stride.max())
-    if one_fails:
-        check_batch_of_one(math.ceil(len(train) / info.world_size), batch, args.imgsz)
+    one_fails = args.imgsz <= stride
+    images = math.ceil(len(train) / info.world_size)
+    if one_fails and min(images, batch) <= 1:
+        given = f"train: {images} image per rank"
+        if batch == 1:
+            given = f"--batch-size {batch} per rank"
+        fix = f"use at least 2 images per rank, or --imgsz > {args.imgsz}"
+        raise ConfigError(f"{given} at --imgsz {args.imgsz}: {ONE_IMAGE}; {fix}")
     ranks = dict(rank=info.rank, world_size=info.world_size, local_world_size=info.local_world_size)
     loader, _ = build_dataloader(
         train, batch, workers=args.workers, seed=args.seed, drop_single=one_fails, **ranks
@@ -301,19 +307,6 @@ def build_loaders(args, hyp: dict, model: Model, data: dict, info) -> tuple:
         dist.print0(f"train: the last batch of each epoch, of 1 image, is dropped ({ONE_IMAGE})")
     val_loader, _ = build_dataloader(val, 2 * batch, workers=args.workers, shuffle=False, **ranks)
     return loader, val_loader
-
-
-def check_batch_of_one(images: int, batch: int, imgsz: int) -> None:
-    """ConfigError if training would take batches of one image (batch or images per rank 1), which
-    BatchNorm cannot train on at imgsz."""
-    if min(images, batch) > 1:
-        return
-    if batch == 1:
-        given = f"--batch-size {batch} per rank"
-    else:
-        given = f"train: {images} image per rank"
-    fix = f"use at least 2 images per rank, or --imgsz > {imgsz}"
-    raise ConfigError(f"{given} at --imgsz {imgsz}: {ONE_IMAGE}; {fix}")
 
 
 def build_optimizer(model: nn.Module, lr: float, momentum: float, decay: float, name="SGD"):
@@ -392,10 +385,7 @@ def train_one_epoch(
     # A non-finite loss raises FloatingPointError on every rank at once; no all-reduce until a step.
     args = setup.args
     hyp = setup.hyp
-    model = training.model
-    criterion = training.criterion
-    optimizer = training.optimizer
-    scaler = training.scaler
+    model, criterion, optimizer, scaler, ema, amp = training
     model.train()
     device = next(model.parameters()).device
     batches = len(setup.loader)
@@ -423,16 +413,18 @@ def train_one_epoch(
         step = iteration - last_step >= accumulate or i == batches - 1
         # DDP all-reduces the gradients in backward: only at a step
         with model.no_sync() if isinstance(model, DDP) and not step else contextlib.nullcontext():
-            loss, items = forward_loss(model, criterion, batch, device=device, amp=training.amp)
+            loss, items = forward_loss(model, criterion, batch, device=device, amp=amp)
             values = dist.reduce_mean(torch.stack(list(items.values()))).cpu()
             # the same on every rank: all stop together
             if not torch.isfinite(values).all():
-                where = f"at epoch {epoch + 1}, iteration {i + 1}: training stopped; the last good"
-                last = f"checkpoint is {setup.save_dir / 'weights' / 'last.pt'}"
-                raise FloatingPointError(f"non-finite loss {values.tolist()} {where} {last}")
+                raise FloatingPointError(
+                    f"non-finite loss {values.tolist()} at epoch {epoch + 1}, iteration {i + 1}: "
+                    "training stopped; the last good checkpoint is "
+                    f"{setup.save_dir / 'weights' / 'last.pt'}"
+                )
             scaler.scale(loss).backward()
         if step:
-            optimizer_step(model, optimizer, scaler, ema=training.ema)
+            optimizer_step(model, optimizer, scaler, ema=ema)
             last_step = iteration
         mean = (mean * i + values) / (i + 1)
         if iteration == 0 and detect and dist.is_main():
@@ -445,11 +437,13 @@ def train_one_epoch(
             epoch_left = (batches - i - 1) / rate
             # the first epoch knows only its own training rate
             run_left = epoch_left + (args.epochs - epoch - 1) * (epoch_seconds or batches / rate)
-            progress = f"epoch {epoch + 1}/{args.epochs} [{i + 1}/{batches}]  {rate:.2f} it/s"
-            eta = f"eta {clock(epoch_left)} (run {clock(run_left)})"
             losses = "  ".join(f"{k} {v:.4g}" for k, v in zip(items, mean.tolist()))
-            usage = f"instances {len(batch['targets'])}  mem {peak_memory():.2f}G"
-            print(f"{progress}  {eta}  {losses}  {usage}", flush=True)
+            print(
+                f"epoch {epoch + 1}/{args.epochs} [{i + 1}/{batches}]  {rate:.2f} it/s  "
+                f"eta {clock(epoch_left)} (run {clock(run_left)})  {losses}  "
+                f"instances {len(batch['targets'])}  mem {peak_memory():.2f}G",
+                flush=True,
+            )
     img_s = (batches - 1) * args.batch_size / (time.time() - t0) if batches > 1 else 0.0
     # train_batch0.jpg is written before the epoch ends
     finish_drawing()
@@ -505,8 +499,10 @@ def run_callbacks(callbacks: dict, event: Event) -> None:
             fn(event)
         except Exception as e:
             name = getattr(fn, "__qualname__", repr(fn))
-            failed = f"callback {name} for {event.name} raised {type(e).__name__}: {e}"
-            failed += f" (rank {event.rank}, epoch {event.epoch})"
+            failed = (
+                f"callback {name} for {event.name} raised {type(e).__name__}: {e} "
+                f"(rank {event.rank}, epoch {event.epoch})"
+            )
             break
     # every rank learns of a failure on any rank, so none is left waiting in a collective
     failures = [f for f in dist.all_gather_object(failed) if f]
@@ -671,14 +667,12 @@ def fit(args, info, given: Model | None = None, callbacks: dict | None = None) -
     """Train (the given model, else args'). Returns {save_dir, data, epochs (the last run),
     best_fitness, metrics (best.pt), img_s, model: the trained Model, eval mode, with best.pt's
     weights (else last.pt's)}; callbacks: {event: [functions]} (see EVENTS)."""
-    callbacks = callbacks or {}
     setup = prepare(args, info, given)
     args = setup.args
     training = start_training(setup, info)
-    start = 0
-    best = Best(0.0, 0)
-    if setup.ckpt:
-        start, best = resume(setup, training, info)
+    # the EMA of the model: what is validated and saved as the result
+    ema = training.ema.ema
+    start, best = resume(setup, training, info)
     print_start(setup, info, training.amp)
     # the run's constants; each event replaces its name, epoch, losses and metrics
     event = Event("", 0, losses={}, metrics=None, save_dir=setup.save_dir, rank=info.rank)
@@ -698,12 +692,10 @@ def fit(args, info, given: Model | None = None, callbacks: dict | None = None) -
         metrics = None
         if final or not args.noval:
             # BN buffers differ between DDP ranks: all validate rank 0's EMA
-            dist.broadcast_tensors(training.ema.ema.state_dict().values())
+            dist.broadcast_tensors(ema.state_dict().values())
             # the plots of the final validation only
             plots = setup.save_dir if final else None
-            metrics = validator.evaluate(
-                training.ema.ema, setup.val_loader, plots_dir=plots, amp=training.amp
-            )
+            metrics = validator.evaluate(ema, setup.val_loader, plots_dir=plots, amp=training.amp)
             # equal fitness: the later epoch
             best = max(best, Best(metrics["fitness"], epoch))
         stop = metrics is not None and 0 < args.patience <= epoch - best.epoch
@@ -716,18 +708,20 @@ def fit(args, info, given: Model | None = None, callbacks: dict | None = None) -
         dist.barrier()
         run_callbacks(callbacks, fitted)
         if stop:
-            best_epoch = f"the best was epoch {best.epoch + 1}"
-            dist.print0(f"Early stop: no improvement in {args.patience} epochs, {best_epoch}")
+            dist.print0(
+                f"Early stop: no improvement in {args.patience} epochs, "
+                f"the best was epoch {best.epoch + 1}"
+            )
             break
     dist.print0(f"{epoch + 1 - start} epochs in {(time.time() - t_start) / 60:.1f} minutes")
     # best.pt (else last.pt) is not the model validated last
     if best.epoch != epoch or not metrics:
         metrics = validate_saved(training, setup.val_loader, setup.save_dir)
-    table = validator.format_table(metrics, training.ema.ema.names)
+    table = validator.format_table(metrics, ema.names)
     dist.print0(f"{table}\nResults saved to {setup.save_dir}")
     # the trained model itself (YOLO.train's object) takes the final weights
     trained = de_parallel(training.model).to(memory_format=torch.contiguous_format).eval()
-    trained.load_state_dict(training.ema.ema.state_dict())
+    trained.load_state_dict(ema.state_dict())
     run_callbacks(callbacks, event._replace(name="on_train_end", epoch=epoch + 1, metrics=metrics))
     return dict(
         save_dir=str(setup.save_dir),
@@ -781,8 +775,10 @@ def autoanchor(model: Model, train_set, threshold: float, args) -> None:
 def resume(setup: Setup, training: Training, info) -> tuple[int, Best]:
     """Restore what `save_epoch` saved into the fresh training objects: the model, EMA, optimizer,
     AMP scaler, and this rank's random states. Returns the epoch to start at (the one after the
-    saved one) and the best validation so far."""
+    saved one) and the best validation so far (a new run: 0 and Best(0.0, 0))."""
     ckpt = setup.ckpt
+    if not ckpt:
+        return 0, Best(0.0, 0)
     try:
         exact = checkpoint.restore(
             ckpt,
@@ -810,42 +806,35 @@ def save_epoch(setup: Setup, training: Training, fitted: Event, best: Best, rngs
     checkpoint holds results.csv as it will be (a resume restores it), and a Ctrl-C or SIGTERM
     meanwhile takes effect after both: results.csv lists the epochs that last.pt holds."""
     epoch = fitted.epoch - 1
-    state = None
-    if last or not setup.args.nosave:
-        state = checkpoint.training_state(
-            de_parallel(training.model),
-            training.ema,
-            training.optimizer,
-            scaler=training.scaler,
-            epoch=epoch,
-            best=best,
-            args=setup.args,
-            hyp=setup.hyp,
-            rngs=rngs,
-        )
-    text = results_text(
-        setup, epoch, fitted.losses, metrics=fitted.metrics, optimizer=training.optimizer
-    )
+    metrics = fitted.metrics
+    # results.csv with the epoch's row (a resumed run first drops the rows after its checkpoint)
+    names = metric_names(KINDS[setup.model.task])
+    row = {"epoch": fitted.epoch} | {f"train/{k}_loss": v for k, v in fitted.losses.items()}
+    row |= {f"metrics/{k}": metrics["metrics"][k] if metrics else "" for k in names}
+    row |= {f"lr/pg{j}": g["lr"] for j, g in enumerate(training.optimizer.param_groups)}
+    results = setup.save_dir / "results.csv"
+    lines = results.read_text().splitlines(keepends=True)[: epoch + 1] if results.exists() else []
+    lines = lines or [",".join(row) + "\n"]
+    text = "".join(lines) + ",".join(map(str, row.values())) + "\n"
     weights = setup.save_dir / "weights"
     with checkpoint.signals_held():
-        if state is not None:
+        if last or not setup.args.nosave:
+            state = checkpoint.training_state(
+                de_parallel(training.model),
+                training.ema,
+                training.optimizer,
+                scaler=training.scaler,
+                epoch=epoch,
+                best=best,
+                args=setup.args,
+                hyp=setup.hyp,
+                rngs=rngs,
+            )
             state["results_csv"] = text
             checkpoint.save(state, weights / "last.pt")
-            if fitted.metrics and best.epoch == epoch:
+            if metrics and best.epoch == epoch:
                 checkpoint.save(state, weights / "best.pt")
-        (setup.save_dir / "results.csv").write_text(text)
-
-
-def results_text(setup: Setup, epoch: int, losses: dict, metrics, optimizer) -> str:
-    """results.csv with epoch's row (a resumed run first drops the rows after its checkpoint)."""
-    names = metric_names(KINDS[setup.model.task])
-    row = {"epoch": epoch + 1} | {f"train/{k}_loss": v for k, v in losses.items()}
-    row |= {f"metrics/{k}": metrics["metrics"][k] if metrics else "" for k in names}
-    row |= {f"lr/pg{j}": g["lr"] for j, g in enumerate(optimizer.param_groups)}
-    path = setup.save_dir / "results.csv"
-    lines = path.read_text().splitlines(keepends=True)[: epoch + 1] if path.exists() else []
-    lines = lines or [",".join(row) + "\n"]
-    return "".join(lines) + ",".join(map(str, row.values())) + "\n"
+        results.write_text(text)
 
 
 def print_epoch(epoch: int, epochs: int, img_s: float, metrics: dict | None) -> None:
