@@ -96,9 +96,10 @@ ONE_IMAGE = "BatchNorm cannot train on 1 image when the last feature map is 1x1 
 
 
 def get_args_parser() -> argparse.ArgumentParser:
-    description = "Train YOLOv5 detection, segmentation, classification"
     # No abbreviations: the Python API takes only whole names, and so does the command line.
-    parser = argparse.ArgumentParser(description=description, allow_abbrev=False)
+    parser = argparse.ArgumentParser(
+        description="Train YOLOv5 detection, segmentation, classification", allow_abbrev=False
+    )
     parser.add_argument("--cfg", default="yolov5n.yaml", help="model cfg; its head sets the task")
     parser.add_argument(
         "--data", default="shapes", help="data yaml or folder, 'shapes', 'shapes-cls'"
@@ -159,8 +160,9 @@ def load_hyp(changes: str | dict, task: str = "detect", where: str = "--hyp") ->
         if type(value) not in (int, float) or not math.isfinite(value):
             raise ConfigError(f"{where}: {key} is {reprlib.repr(value)}, not a finite number")
         if key in NOT_IMPLEMENTED and value != 0:
-            why = "not implemented by yolo_min (only 0 is accepted)"
-            raise ConfigError(f"{where}: {key} is {value:g}: {why}")
+            raise ConfigError(
+                f"{where}: {key} is {value:g}: not implemented by yolo_min (only 0 is accepted)"
+            )
         bounds = HYP_RANGES.get(key)
         if bounds and not in_range(value, bounds):
             raise ConfigError(f"{where}: {key} is {value:g}, outside its range {bounds}")
@@ -222,8 +224,9 @@ def frozen_layers(freeze: list[int], model: Model) -> set[int]:
         raise ConfigError(f"{flag}: the model has {layers} layers (0-{layers - 1})")
     frozen = set(freeze) if len(freeze) > 1 else set(range(freeze[0]))
     if {int(k.split(".")[1]) for k, _ in model.named_parameters()} <= frozen:
-        why = f"the model has {layers} layers (0-{layers - 1}): no parameter would be trained"
-        raise ConfigError(f"{flag}: {why}")
+        raise ConfigError(
+            f"{flag}: the model has {layers} layers (0-{layers - 1}): no parameter would be trained"
+        )
     return frozen
 
 
@@ -535,10 +538,8 @@ def prepare(args, info, given: Model | None = None) -> Setup:
         check_numbers(args, info.world_size)
         # A resume (--resume, or a torchrun restart): find the run's last.pt, read the run's own
         # arguments, check them; `fit` restores its training state.
-        path = None
-        ckpt = None
-        if resumed := dist.run_on_main(checkpoint.find_resume, args, run_id):
-            path, ckpt = resumed
+        path, ckpt = dist.run_on_main(checkpoint.find_resume, args, run_id) or (None, None)
+        if ckpt:
             args = resumed_args(args, path, ckpt)
             with resumed_checks(path):
                 check_numbers(args, info.world_size)
@@ -650,9 +651,13 @@ def build_training(model: Model, hyp: dict, args, info) -> Training:
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
         # DDP starts every rank from rank 0's weights (a model built in a script may differ)
         model = DDP(model, device_ids=[info.device.index] if info.device.type == "cuda" else None)
-    ema = ModelEMA(model)
     return Training(
-        model=model, criterion=criterion, optimizer=optimizer, scaler=scaler, ema=ema, amp=amp
+        model=model,
+        criterion=criterion,
+        optimizer=optimizer,
+        scaler=scaler,
+        ema=ModelEMA(model),
+        amp=amp,
     )
 
 
@@ -753,8 +758,10 @@ def print_start(setup: Setup, info, amp: torch.dtype | None) -> None:
     device = info.device.type
     if device == "cuda":
         device += f" ({torch.cuda.get_device_name(info.device)})"
-    where = f"{info.world_size} rank(s) on {device}, batch {args.batch_size}"
-    dist.print0(f"{setup.model.task} training: {where}, {args.epochs} epochs, in {setup.save_dir}")
+    dist.print0(
+        f"{setup.model.task} training: {info.world_size} rank(s) on {device}, batch "
+        f"{args.batch_size}, {args.epochs} epochs, in {setup.save_dir}"
+    )
     dist.print0(f"precision: {PRECISIONS[amp]} (--amp {args.amp})")
 
 
@@ -792,8 +799,10 @@ def resume(setup: Setup, training: Training, info) -> tuple[int, Best]:
     except checkpoint.CheckpointError as e:
         raise ConfigError(f"--resume: {setup.args.resume}: {e}") from None
     if not exact:
-        sizes = f"saved with world size {ckpt['rng']['world_size']}, now {info.world_size}"
-        dist.print0(f"warning: {sizes}: random states are not restored (not an exact resume)")
+        dist.print0(
+            f"warning: saved with world size {ckpt['rng']['world_size']}, now {info.world_size}: "
+            "random states are not restored (not an exact resume)"
+        )
     start = ckpt["epoch"] + 1
     dist.print0(f"Resuming {setup.save_dir} at epoch {start + 1}/{setup.args.epochs}")
     return start, Best(ckpt["best_fitness"], ckpt["best_epoch"])
