@@ -8,6 +8,8 @@ import difflib
 import gc
 import os
 
+from . import dist
+
 
 class ConfigError(ValueError):
     """A bad argument or input file, found before any work: one actionable line, exit 2."""
@@ -19,7 +21,7 @@ def parse_kwargs(
     """The parser's defaults updated by kwargs, each checked as the command line would check it:
     TypeError for an unknown option, a missing one or a value of the wrong type, ValueError for a
     value outside the choices. fixed: values the caller sets (not options); only: the options
-    taken (default: all)."""
+    taken (default: all; the others keep their defaults, required or not)."""
     fixed = fixed or {}
     actions = {action.dest: action for action in parser._actions if action.dest != "help"}
     valid = [name for name in only or actions if name not in fixed]
@@ -29,12 +31,11 @@ def parse_kwargs(
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         names = ", ".join(map(repr, unknown))
         raise TypeError(f"unknown option {names}{hint}; the options are: {', '.join(valid)}")
-    given = kwargs | fixed
-    missing = [name for name, action in actions.items() if action.required and name not in given]
+    missing = [name for name in valid if actions[name].required and name not in kwargs]
     if missing:
         raise TypeError(f"missing option(s): {', '.join(map(repr, missing))}")
     values = {name: action.default for name, action in actions.items()}
-    for name, value in given.items():
+    for name, value in (kwargs | fixed).items():
         values[name] = check_value(actions[name], name, value)
     return argparse.Namespace(**values)
 
@@ -76,13 +77,9 @@ def check_value(action: argparse.Action, name: str, value):
 def is_kind(value, kind: type) -> bool:
     """Whether value is what argparse makes with kind: int (not bool), float (or int), str (or
     a path)."""
-    if isinstance(value, bool):
-        return False
-    if kind is float:
-        return isinstance(value, (int, float))
-    if kind is str:
-        return isinstance(value, (str, os.PathLike))
-    return isinstance(value, kind)
+    accepted = {float: (int, float), str: (str, os.PathLike)}.get(kind, kind)
+    # a bool is an int to Python, but no number to argparse
+    return not isinstance(value, bool) and isinstance(value, accepted)
 
 
 def run_command(main, parser: argparse.ArgumentParser, errors=(ValueError, OSError)) -> None:
@@ -94,5 +91,5 @@ def run_command(main, parser: argparse.ArgumentParser, errors=(ValueError, OSErr
     except errors as e:
         why = f"{parser.prog}: error: {str(e).splitlines()[0]}\n"
         # under torchrun every rank fails alike: rank 0 says it once
-        first = int(os.environ.get("RANK", "0")) == 0
+        first = dist.env_rank() == 0
         parser.exit(2, why if first else None)

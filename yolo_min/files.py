@@ -29,9 +29,9 @@ class FileError(ValueError):
 def read_bytes(path: str | Path, limit: int, what: str = "") -> bytes:
     """The bytes of a regular file of at most limit bytes; else FileError naming `what path`."""
     name = f"{what} {path}".strip()
-    # O_NONBLOCK: opening a FIFO returns at once instead of waiting for a writer; Windows has
-    # neither flag
-    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    # O_NONBLOCK: opening a FIFO returns at once instead of waiting for a writer (Windows has no
+    # such flag); os.open's descriptors are not inherited by child processes already (PEP 446)
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)
     try:
         fd = os.open(path, flags)
     except OSError as e:

@@ -52,15 +52,14 @@ class ImageWarning(UserWarning):
     """A warning PIL gave while decoding an image, re-issued with the image named."""
 
 
-class Share(NamedTuple):
-    """One rank's part of a prediction run: the images seen (the others were skipped), their
-    detections, summed speed (ms by STAGES) and --save-json entries as (place in the whole source,
-    entry)."""
+class Seen(NamedTuple):
+    """An image predicted and saved (the others were skipped): its place in the whole source, its
+    detections, speed (ms by STAGES) and --save-json entry ({} without)."""
 
-    seen: int
+    place: int
     detections: int
     speed: np.ndarray
-    entries: list
+    entry: dict
 
 
 def find_images(source: str) -> list[str]:
@@ -72,16 +71,19 @@ def find_images(source: str) -> list[str]:
         files = read_list(path)
     elif path.is_file():
         files = [source]
-    elif path.is_dir():
-        pattern = Path(glob.escape(source)) / "*"
-        files = sorted(glob.glob(str(pattern)))
     else:
-        files = sorted(expand_glob(source))
+        # a folder: its own files, not its subfolders'
+        pattern = str(Path(glob.escape(source)) / "*") if path.is_dir() else source
+        files = sorted(expand_glob(pattern))
     images = [f for f in files if f.rpartition(".")[2].lower() in IMG_FORMATS]
     if not images:
         why = f"no images ({', '.join(IMG_FORMATS)})" if path.exists() else "not found"
         raise DataError(f"--source {source}: {why}")
-    return unique_files(images)
+    # each real file (file_key) keeps its first path, in the order first met
+    unique = {}
+    for image in images:
+        unique.setdefault(file_key(image), image)
+    return list(unique.values())
 
 
 def read_list(path: Path) -> list[str]:
@@ -127,11 +129,8 @@ def walk_once(root: str) -> list[str]:
             continue
         seen.add(key)
         subfolders[:] = sorted(d for d in subfolders if not d.startswith("."))
-        if root:
-            folders.append(top)
-        else:
-            relative = os.path.relpath(top)
-            folders.append("" if relative == "." else relative)
+        # os.walk(".") gives ".", "./sub", ...: as glob's "", "sub", ...
+        folders.append(top if root else top[2:])
     return folders
 
 
@@ -143,15 +142,6 @@ def file_key(path: str):
         # missing, or (ValueError) a NUL byte in the path
         return os.path.abspath(path)
     return (status.st_dev, status.st_ino)
-
-
-def unique_files(files: list[str]) -> list[str]:
-    """files, each real file (file_key) only where it first appears."""
-    # each key keeps its first file, in the order first met
-    unique = {}
-    for file in files:
-        unique.setdefault(file_key(file), file)
-    return list(unique.values())
 
 
 def source_images(source) -> list:
@@ -178,10 +168,9 @@ def letterbox(image: torch.Tensor, imgsz: int, stride: int) -> tuple[torch.Tenso
     # the canvas, as yolov5's: each side rounded up to a multiple of the stride
     H = make_divisible(h, stride)
     W = make_divisible(w, stride)
-    x = image.permute(2, 0, 1)
-    if (h, w) != (h0, w0):
-        # as OpenCV's INTER_LINEAR: bilinear (resize's default), no antialiasing
-        x = TF.resize(x, [h, w], antialias=False)
+    # as OpenCV's INTER_LINEAR: bilinear (resize's default), no antialiasing; at its own size the
+    # image itself
+    x = TF.resize(image.permute(2, 0, 1), [h, w], antialias=False)
     top = round((H - h) / 2 - 0.1)
     left = round((W - w) / 2 - 0.1)
     right = W - w - left
@@ -192,18 +181,6 @@ def letterbox(image: torch.Tensor, imgsz: int, stride: int) -> tuple[torch.Tenso
     return canvas, ((r, r), pad)
 
 
-def open_regular(path: str):
-    """path opened for reading in binary, if it is a regular file (ValueError if not): a FIFO,
-    socket or device is never read, as it could block forever or never end."""
-    # without O_NONBLOCK, opening a FIFO waits for a writer, perhaps forever
-    descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    file = os.fdopen(descriptor, "rb")
-    if not stat.S_ISREG(os.fstat(descriptor).st_mode):
-        file.close()
-        raise ValueError("not a regular file")
-    return file
-
-
 def decode(src) -> torch.Tensor:
     """A path (a regular file within PIL's pixel limit), PIL image or array -> uint8 (h, w, 3):
     EXIF-rotated, 8-bit RGB (to_rgb8: 16-bit and float images scaled, not clipped)."""
@@ -212,7 +189,12 @@ def decode(src) -> torch.Tensor:
     elif isinstance(src, Image.Image):
         image = rgb8_tensor(src)
     else:
-        with open_regular(src) as file:
+        # without O_NONBLOCK, opening a FIFO waits for a writer, perhaps forever
+        descriptor = os.open(src, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        with os.fdopen(descriptor, "rb") as file:
+            # a FIFO, socket or device could block forever or never end
+            if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+                raise ValueError("not a regular file")
             opened = Image.open(file)
             width, height = opened.size
             limit = Image.MAX_IMAGE_PIXELS
@@ -246,14 +228,15 @@ def read(item: tuple, imgsz: int, stride: int, classify: bool) -> dict:
     while decoding, each naming the image)} or {"index", "path", "error"}; it never raises."""
     index, src = item
     path = str(src) if isinstance(src, (str, Path)) else None
+    sample = dict(index=index, path=path)
+    # missing, unreadable, not an image, truncated, too large, ...
+    failure = "unreadable"
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             image = decode(src)
-    except Exception as e:
-        # missing, unreadable, not an image, truncated, too large, ...
-        return dict(index=index, path=path, error=f"unreadable ({one_line(e)})")
-    try:
+        # an image of a shape the resizing cannot take
+        failure = "resizing failed"
         if classify:
             # as ClassifyDataset's validation input, with no boxes to map back
             planes = image.permute(2, 0, 1)
@@ -263,13 +246,10 @@ def read(item: tuple, imgsz: int, stride: int, classify: bool) -> dict:
         else:
             canvas, ratio_pad = letterbox(image, imgsz, stride)
     except Exception as e:
-        # an image of a shape the resizing cannot take
-        return dict(index=index, path=path, error=f"resizing failed ({one_line(e)})")
+        return sample | dict(error=f"{failure} ({one_line(e)})")
     where = path or f"image {index} of the source"
     notes = [f"{where}: {first_line(warning.message)}" for warning in caught]
-    return dict(
-        index=index, path=path, image=image, input=canvas, ratio_pad=ratio_pad, warnings=notes
-    )
+    return sample | dict(image=image, input=canvas, ratio_pad=ratio_pad, warnings=notes)
 
 
 def by_shape(samples, batch_size: int):
@@ -320,6 +300,7 @@ def stream(model, images, imgsz=640, batch_size=1, workers=0, polygons=False, am
             for sample, det, proto in zip(group, dets, protos):
                 for note in sample["warnings"]:
                     warnings.warn(note, ImageWarning, stacklevel=2)
+                result = dict(index=sample["index"], path=sample["path"])
                 try:
                     if classify:
                         found = dict(probs=det)
@@ -331,19 +312,17 @@ def stream(model, images, imgsz=640, batch_size=1, workers=0, polygons=False, am
                             input_hw=input_hw,
                             polygons=polygons,
                         )
-                    result = dict(
-                        index=sample["index"],
-                        path=sample["path"],
+                except Exception as e:
+                    # e.g. a mask or polygon of a degenerate image
+                    result["error"] = f"post-processing failed ({one_line(e)})"
+                else:
+                    result |= dict(
                         image=sample["image"],
                         names=model.names,
                         speed=speed,
                         warnings=sample["warnings"],
                         **found,
                     )
-                except Exception as e:
-                    # e.g. a mask or polygon of a degenerate image
-                    why = f"post-processing failed ({one_line(e)})"
-                    result = dict(index=sample["index"], path=sample["path"], error=why)
                 yield result
     finally:
         model.train(was_training)
@@ -525,15 +504,13 @@ def check_run_folder(save_dir: Path, files: list[str], source: str) -> None:
             raise ConfigError(f"--project/--name: {why}; predict into another folder")
 
 
-def crop_box(box: list, width: int, height: int) -> list[int]:
-    """A box in whole pixels as a crop inside the image, at least 1 x 1 (PIL writes no empty
-    image)."""
-    x1, y1, x2, y2 = (int(v) for v in box)
-    x1 = min(max(x1, 0), width - 1)
-    y1 = min(max(y1, 0), height - 1)
-    x2 = min(max(x2, x1 + 1), width)
-    y2 = min(max(y2, y1 + 1), height)
-    return [x1, y1, x2, y2]
+def crop_box(box: list, size: tuple) -> list[int]:
+    """A box xyxy in whole pixels as a crop inside an image of size (width, height), at least
+    1 x 1 (PIL writes no empty image)."""
+    limit = np.array(size)
+    start = np.clip(box[:2], 0, limit - 1)
+    end = np.clip(box[2:], start + 1, limit)
+    return [int(v) for v in (*start, *end)]
 
 
 def save(result: dict, save_dir: Path, args, stem: str, folders: list[str]) -> None:
@@ -545,9 +522,8 @@ def save(result: dict, save_dir: Path, args, stem: str, folders: list[str]) -> N
         picture = draw(
             result, line_width=args.line_width, labels=not args.hide_labels, conf=not args.hide_conf
         )
-        # the format by the source's extension, whatever the temporary file's name
-        kind = Image.registered_extensions()[f".{ext.lower()}"]
-        replace_file(save_dir / f"{stem}.{ext}", partial(picture.save, format=kind))
+        # in the source's format: PIL takes it from the extension, which the temporary file keeps
+        replace_file(save_dir / f"{stem}.{ext}", picture.save)
     if args.save_txt and (len(boxes) or "probs" in result):
         text = label_lines(result, args.save_conf)
         replace_file(save_dir / "labels" / f"{stem}.txt", lambda tmp: tmp.write_text(text))
@@ -555,7 +531,7 @@ def save(result: dict, save_dir: Path, args, stem: str, folders: list[str]) -> N
         return
     image = Image.fromarray(result["image"].numpy())
     for k, (*box, _, cls) in enumerate(boxes.tolist()):
-        crop = image.crop(crop_box(box, width=image.width, height=image.height))
+        crop = image.crop(crop_box(box, image.size))
         folder = save_dir / "crops" / folders[int(cls)]
         folder.mkdir(parents=True, exist_ok=True)
         replace_file(folder / f"{stem}_{k}.jpg", crop.save)
@@ -563,26 +539,38 @@ def save(result: dict, save_dir: Path, args, stem: str, folders: list[str]) -> N
 
 def get_args_parser() -> argparse.ArgumentParser:
     parser = base_parser("Predict boxes (and masks) on images", PREDICT_NMS, "runs/predict")
-    source = "image, folder, glob or .txt list of paths (relative ones: to the list's folder)"
-    parser.add_argument("--source", required=True, help=source)
+    parser.add_argument(
+        "--source",
+        required=True,
+        help="image, folder, glob or .txt list of paths (relative ones: to the list's folder)",
+    )
     parser.add_argument("--classes", nargs="+", type=int, help="keep only these classes")
     parser.add_argument("--agnostic-nms", action="store_true", help="NMS across classes")
     parser.add_argument("--batch-size", type=int, default=1, help="per rank, >= 1")
-    workers = "image decoding processes per rank, >= 0 (at most the CPUs)"
-    parser.add_argument("--workers", type=int, default=0, help=workers)
-    labels = "labels/<image>.txt, yolov5's format (a repeated image name: <image>_2, _3, ...)"
-    parser.add_argument("--save-txt", action="store_true", help=labels)
-    parser.add_argument("--save-conf", action="store_true", help="confidences in --save-txt labels")
-    crops = (
-        "crops/<class>/<image>_<k>.jpg; <class>: the class name as one safe folder name"
-        ' (/ \\ : * ? " < > | and control characters as _, no leading or trailing dots'
-        " or spaces; empty: class<index>; _<index> added if two classes would share one)"
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=0,
+        help="image decoding processes per rank, >= 0 (at most the CPUs)",
     )
-    parser.add_argument("--save-crop", action="store_true", help=crops)
+    parser.add_argument(
+        "--save-txt",
+        action="store_true",
+        help="labels/<image>.txt, yolov5's format (a repeated image name: <image>_2, _3, ...)",
+    )
+    parser.add_argument("--save-conf", action="store_true", help="confidences in --save-txt labels")
+    parser.add_argument(
+        "--save-crop",
+        action="store_true",
+        help="crops/<class>/<image>_<k>.jpg; <class>: the class name as one safe folder name"
+        ' (/ \\ : * ? " < > | and control characters as _, no leading or trailing dots'
+        " or spaces; empty: class<index>; _<index> added if two classes would share one)",
+    )
     parser.add_argument("--save-json", action="store_true", help="predictions.json for the source")
     parser.add_argument("--nosave", action="store_true", help="no annotated images")
-    width = "box width in pixels, >= 1 (default: by size)"
-    parser.add_argument("--line-width", type=int, help=width)
+    parser.add_argument(
+        "--line-width", type=int, help="box width in pixels, >= 1 (default: by size)"
+    )
     parser.add_argument("--hide-labels", action="store_true")
     parser.add_argument("--hide-conf", action="store_true")
     return parser
@@ -624,87 +612,71 @@ def main(args: argparse.Namespace) -> dict:
         share = predict_share(
             model, args, info, files=files[mine], stems=stems[mine], save_dir=save_dir, amp=amp
         )
-        shares = dist.all_gather_object(share)
-        seen = sum(part.seen for part in shares)
+        seen = [image for part in dist.all_gather_object(share) for image in part]
         # every image is either seen or skipped (named)
-        skipped = len(files) - seen
-        detections = sum(part.detections for part in shares)
-        summed = sum(part.speed for part in shares)
-        mean = summed / max(seen, 1)
-        speed = dict(zip(STAGES, mean.tolist()))
+        skipped = len(files) - len(seen)
+        summed = sum((image.speed for image in seen), np.zeros(3))
+        speed = dict(zip(STAGES, (summed / max(len(seen), 1)).tolist()))
         if info.rank == 0:
             if args.save_json:
-                # each entry keyed by its file's place in the source
-                placed = sorted(pair for part in shares for pair in part.entries)
-                text = json.dumps([entry for _, entry in placed])
+                # each entry in its file's place in the source
+                placed = sorted(seen, key=lambda image: image.place)
+                text = json.dumps([image.entry for image in placed])
                 replace_file(save_dir / "predictions.json", lambda tmp: tmp.write_text(text))
             shape = (args.batch_size, 3, args.imgsz, args.imgsz)
             print(speed_line(speed, f"shape {shape}"))
-            counted = f"{seen} images"
+            counted = f"{len(seen)} images"
             if skipped:
                 counted += f", {skipped} skipped (named above)"
             print(counted)
             print(f"Results saved to {save_dir}", flush=True)
         return dict(
             save_dir=str(save_dir),
-            images=seen,
+            images=len(seen),
             skipped=skipped,
-            detections=detections,
+            detections=sum(image.detections for image in seen),
             speed=speed,
         )
     finally:
         dist.cleanup()
 
 
-def predict_share(model, args, info, files, stems, save_dir: Path, amp) -> Share:
-    """This rank's files predicted and saved; a failed image is named and skipped."""
+def predict_share(model, args, info, files, stems, save_dir: Path, amp) -> list[Seen]:
+    """This rank's files predicted and saved, each one's warnings printed -> those seen; an image
+    that failed (its result's error, or saving) is named and skipped."""
     folders = crop_folders(model.names)
-    seen = 0
-    detections = 0
-    speed = np.zeros(3)
-    entries = []
+    seen = []
     start = time.time()
     last = start
     with warnings.catch_warnings():
         # each is printed below, one line naming its image
         warnings.simplefilter("ignore", ImageWarning)
-        results = stream_args(model, files, args, amp)
-        for done, result in enumerate(results, 1):
+        for done, result in enumerate(stream_args(model, files, args, amp), 1):
             # progress, every 10 s
             if info.rank == 0 and time.time() - last > 10 and done < len(files):
                 last = time.time()
                 rate = done / (last - start)
                 eta = f"eta {(len(files) - done) / rate:.0f}s"
                 print(f"{done}/{len(files)} images  {rate:.1f} images/s  {eta}", flush=True)
-            stem = stems[result["index"]]
-            entry = save_result(result, save_dir, args, stem=stem, folders=folders)
-            if entry is None:
+            for note in result.get("warnings", []):
+                print(f"WARNING {note}", flush=True)
+            if "error" not in result:
+                try:
+                    entry = json_entry(result) if args.save_json else {}
+                    save(result, save_dir, args, stem=stems[result["index"]], folders=folders)
+                except Exception as e:
+                    # e.g. a full disk, an image PIL cannot write
+                    result["error"] = f"saving failed ({one_line(e)})"
+            if "error" in result:
+                # named and skipped: the run goes on
+                print(f"WARNING {result['path']}: {result['error']}; skipped", flush=True)
                 continue
-            seen += 1
-            detections += len(result.get("boxes", ()))
-            speed += result["speed"]
-            if args.save_json:
-                place = info.rank + result["index"] * info.world_size
-                entries.append((place, entry))
-    return Share(seen=seen, detections=detections, speed=speed, entries=entries)
-
-
-def save_result(result: dict, save_dir: Path, args, stem: str, folders: list) -> dict | None:
-    """Print a result's warnings and save its outputs -> its --save-json entry ({} without), or
-    None when it failed (named: an image that failed is skipped, the run goes on)."""
-    for note in result.get("warnings", []):
-        print(f"WARNING {note}", flush=True)
-    if "error" in result:
-        print(f"WARNING {result['path']}: {result['error']}; skipped", flush=True)
-        return None
-    try:
-        entry = json_entry(result) if args.save_json else {}
-        save(result, save_dir, args, stem=stem, folders=folders)
-    except Exception as e:
-        # e.g. a full disk, an image PIL cannot write
-        print(f"WARNING {result['path']}: saving failed ({one_line(e)}); skipped", flush=True)
-        return None
-    return entry
+            place = info.rank + result["index"] * info.world_size
+            detections = len(result.get("boxes", ()))
+            seen.append(
+                Seen(place=place, detections=detections, speed=result["speed"], entry=entry)
+            )
+    return seen
 
 
 def run(**kwargs) -> dict:

@@ -149,9 +149,7 @@ class YOLO:
         (PREDICT_OPTIONS, checked first: ValueError naming one): a list in the source's order, or
         a generator with stream=True. The model keeps its train or eval mode."""
         model = self._model()
-        fixed = {"weights": "", "source": ""}
-        parser = predictor.get_args_parser()
-        args = parse_kwargs(parser, options, fixed=fixed, only=PREDICT_OPTIONS)
+        args = parse_kwargs(predictor.get_args_parser(), options, only=PREDICT_OPTIONS)
         validator.check_options(vars(args))
         images = predictor.source_images(source)
         if args.device:
@@ -160,8 +158,7 @@ class YOLO:
             device = next(model.parameters()).device
         # stream runs it in eval mode and gives it back in its own mode
         model = model.to(device)
-        stride = int(model.stride.max())
-        args.imgsz = validator.round_imgsz(args.imgsz, stride)
+        args.imgsz = validator.round_imgsz(args.imgsz, int(model.stride.max()))
         amp = predictor.predict_amp(device, args.amp)
         results = predictor.stream_args(model, images, args, amp)
         if stream:
