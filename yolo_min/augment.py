@@ -57,57 +57,41 @@ def affine_matrix(in_wh: tuple, out_wh: tuple, hyp: dict) -> tuple[np.ndarray, f
     return T @ S @ R @ P @ C, scale
 
 
-def _paste(
-    out: torch.Tensor,
-    src: torch.Tensor,
-    scale: tuple,
-    offset: tuple,
-    rect: tuple,
-) -> tuple:
-    """Resample src (h,w,3) by x' = scale_x * x + offset_x (and so for y) into out[:, y0:y1, x0:x1]
-    of rect (x0, y0, x1, y1), only the needed crop -> (dx, dy): the drawn pixels are the exact
-    mapping shifted by |d| <= 0.5 px."""
-    left, top, right, bottom = rect
-    scale_x, scale_y = scale
-    offset_x, offset_y = offset
+def _paste(out: torch.Tensor, src: torch.Tensor, scale, offset, rect) -> np.ndarray:
+    """Resample src (h,w,3) by [x', y'] = scale * [x, y] + offset ([x, y] arrays) into the part of
+    out (3,H,W) in rect (int rows [x0, y0], [x1, y1]), only the needed crop -> [dx, dy]: the drawn
+    pixels are the exact mapping shifted by |d| <= 0.5 px."""
+    low, high = rect
     src_height, src_width = src.shape[:2]
-    # rect in source px.
-    src_left = (left - offset_x) / scale_x
-    src_right = (right - offset_x) / scale_x
-    src_top = (top - offset_y) / scale_y
-    src_bottom = (bottom - offset_y) / scale_y
     # The source columns and rows that land in rect, and one more on each side for the filter.
-    col0 = max(math.floor(src_left) - 1, 0)
-    col1 = min(math.ceil(src_right) + 1, src_width)
-    row0 = max(math.floor(src_top) - 1, 0)
-    row1 = min(math.ceil(src_bottom) + 1, src_height)
-    if col1 <= col0 or row1 <= row0:
-        return 0.0, 0.0
+    first = np.maximum(np.floor((low - offset) / scale) - 1, 0).astype(int)
+    last = np.ceil((high - offset) / scale) + 1
+    last = np.minimum(last, (src_width, src_height)).astype(int)
+    if (last <= first).any():
+        return np.zeros(2)
+    (col0, row0), (col1, row1) = first, last
     # A (3,h,w) view of the channels-last crop.
     crop = src[row0:row1, col0:col1].permute(2, 0, 1)
-    if scale_x != 1 or scale_y != 1:
+    if (scale != 1).any():
         crop = F.interpolate(
             crop[None],
-            scale_factor=(scale_y, scale_x),
+            scale_factor=tuple(scale[::-1]),
             mode="bilinear",
             antialias=True,
             recompute_scale_factor=False,
         )[0]
     # The exact output position of the crop's corner, and the pixel it is drawn at.
-    exact_x = scale_x * col0 + offset_x
-    exact_y = scale_y * row0 + offset_y
-    corner_x = round(exact_x)
-    corner_y = round(exact_y)
-    # The part of the drawn crop inside rect.
-    x0 = max(left, corner_x)
-    y0 = max(top, corner_y)
-    x1 = min(right, corner_x + crop.shape[2])
-    y1 = min(bottom, corner_y + crop.shape[1])
-    if x1 > x0 and y1 > y0:
-        part = crop[:, y0 - corner_y : y1 - corner_y]
-        part = part[:, :, x0 - corner_x : x1 - corner_x]
-        out[:, y0:y1, x0:x1] = part
-    return corner_x - exact_x, corner_y - exact_y
+    exact = scale * first + offset
+    corner = exact.round().astype(int)
+    # The part of the drawn crop inside rect: [x0, y0] to [x1, y1] in output px.
+    start = np.maximum(low, corner)
+    end = np.minimum(high, corner + (crop.shape[2], crop.shape[1]))
+    if (end > start).all():
+        (x0, y0), (x1, y1) = start, end
+        # The same part in crop px.
+        (crop_x0, crop_y0), (crop_x1, crop_y1) = start - corner, end - corner
+        out[:, y0:y1, x0:x1] = crop[:, crop_y0:crop_y1, crop_x0:crop_x1]
+    return corner - exact
 
 
 def render(pieces: list[Piece], M: np.ndarray, out_wh: tuple, load) -> tuple:
@@ -123,10 +107,10 @@ def render(pieces: list[Piece], M: np.ndarray, out_wh: tuple, load) -> tuple:
     scale = M.diagonal()[:2]
     shift = M[:2, 2]
     for piece in pieces:
-        # The piece's clip, rows [x0, y0] and [x1, y1], in output px.
+        # The piece's clip, rows [x0, y0] and [x1, y1], in whole output px.
         rect = np.reshape(piece.clip, (2, 2)) * scale + shift
-        (left, top), (right, bottom) = rect.clip(0, out_wh).round().astype(int).tolist()
-        if right <= left or bottom <= top:
+        rect = rect.clip(0, out_wh).round().astype(int)
+        if (rect[1] <= rect[0]).any():
             shifts.append((0.0, 0.0))
             continue
         # The piece's original px to output px.
@@ -134,37 +118,31 @@ def render(pieces: list[Piece], M: np.ndarray, out_wh: tuple, load) -> tuple:
         # load() may decode the image smaller (a JPEG draft): at the larger zoom, at most at the
         # canvas's scale; it returns the scale it decoded at.
         image, loaded = load(piece.index, min(zoom.max(), piece.r))
-        drawn_shift = _paste(
-            out,
-            image,
-            scale=zoom / loaded,
-            offset=scale * (piece.ox, piece.oy) + shift,
-            rect=(left, top, right, bottom),
-        )
+        offset = scale * (piece.ox, piece.oy) + shift
+        drawn_shift = _paste(out, image, scale=zoom / loaded, offset=offset, rect=rect)
         shifts.append(tuple(drawn_shift / scale))
     return out, shifts
 
 
 def _render_warped(pieces, M, out_wh, load):
     """render for an M that rotates, shears or projects: the pieces on the canvas, warped by PIL."""
-    canvas_width = math.ceil(max(piece.clip[2] for piece in pieces))
-    canvas_height = math.ceil(max(piece.clip[3] for piece in pieces))
-    canvas_size = (canvas_width, canvas_height)
-    canvas, shifts = render(pieces, np.eye(3), canvas_size, load)
+    # The canvas as far as the pieces reach.
+    far_corner = np.max([piece.clip[2:] for piece in pieces], 0)
+    canvas_wh = np.ceil(far_corner).astype(int).tolist()
+    canvas, shifts = render(pieces, np.eye(3), canvas_wh, load)
     # PIL maps output px back to canvas px. An affine M gives PIL's AFFINE result too.
     inverse = np.linalg.inv(M)
     inverse = inverse / inverse[2, 2]
-    coefficients = tuple(inverse.ravel()[:8])
     image = Image.fromarray(canvas.permute(1, 2, 0).numpy())
     image = image.transform(
         out_wh,
         method=Image.PERSPECTIVE,
-        data=coefficients,
+        data=tuple(inverse.ravel()[:8]),
         resample=Image.BILINEAR,
         fillcolor=FILL,
     )
-    warped = torch.from_numpy(np.array(image))
-    return warped.permute(2, 0, 1).contiguous(), shifts
+    # Stacking the bands is faster than permuting the interleaved pixels.
+    return torch.from_numpy(np.stack(image.split())), shifts
 
 
 def resample(polys: list) -> np.ndarray:
@@ -234,7 +212,9 @@ def _canvas_points(piece, label, shift):
 def _project(M, points):
     """Points (n, k, 2) [x, y] canvas px through the 3x3 matrix M -> (n, k, 2) output px."""
     # M times each [x, y, 1] -> (n, k, 3): the last is the projective divisor, 1 for an affine M.
-    homogeneous = points[..., :1] * M[:, 0] + points[..., 1:] * M[:, 1] + M[:, 2]
+    x = points[..., :1]
+    y = points[..., 1:]
+    homogeneous = x * M[:, 0] + y * M[:, 1] + M[:, 2]
     return homogeneous[..., :2] / homogeneous[..., 2:]
 
 
@@ -294,8 +274,9 @@ def hsv_jitter(img: torch.Tensor, hyp: dict) -> torch.Tensor:
 def polygon_area(polygon: np.ndarray) -> float:
     """Area of a closed polygon (k, 2) [x, y] (shoelace formula)."""
     x, y = polygon.T
-    # The edges from each vertex to the next, then the closing edge from the last to the first.
-    twice_area = x[:-1] @ y[1:] - x[1:] @ y[:-1] + x[-1] * y[0] - x[0] * y[-1]
+    twice_area = x[:-1] @ y[1:] - x[1:] @ y[:-1]
+    # The closing edge, from the last vertex to the first.
+    twice_area = twice_area + x[-1] * y[0] - x[0] * y[-1]
     return 0.5 * abs(float(twice_area))
 
 
