@@ -156,7 +156,7 @@ def resample(polys: list) -> np.ndarray:
     steps = np.linspace(0, 1, NPTS, dtype=np.float32)
     position = steps[None] * count
     vertex = np.minimum(position.astype(np.int64), count - 1)
-    following = np.where(vertex + 1 == count, 0, vertex + 1)
+    following = (vertex + 1) % count
     weight = (position - vertex)[..., None]
     start = points[vertex + first]
     end = points[following + first]
@@ -298,8 +298,7 @@ def overlap_mask(polys: list, boxes: np.ndarray, out_hw: tuple) -> torch.Tensor:
     # The largest first, so that smaller ones are drawn over it.
     for k in np.argsort(-areas, kind="stable"):
         vertices = shapes[k] / 2 + 0.5
-        number = int(k) + 1
-        draw.polygon(vertices.ravel().tolist(), fill=number)
+        draw.polygon(vertices.ravel().tolist(), fill=int(k) + 1)
     sampled = np.asarray(mask)[1::2, 1::2]
     dtype = np.uint8 if few else np.int16
     return torch.from_numpy(sampled.astype(dtype))
