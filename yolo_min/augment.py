@@ -32,16 +32,12 @@ class Piece(NamedTuple):
 
 def affine_matrix(in_wh: tuple, out_wh: tuple, hyp: dict) -> tuple[np.ndarray, float]:
     """yolov5's random T @ S @ R @ P @ C -> (3x3: canvas (in_wh) to output (out_wh) px, scale)."""
-    in_width, in_height = in_wh
-    out_width, out_height = out_wh
     # C moves the canvas centre to the origin.
     C = np.eye(3)
-    C[0, 2] = -in_width / 2
-    C[1, 2] = -in_height / 2
+    C[:2, 2] = -np.array(in_wh) / 2
     perspective = hyp["perspective"]
     P = np.eye(3)
-    P[2, 0] = random.uniform(-perspective, perspective)
-    P[2, 1] = random.uniform(-perspective, perspective)
+    P[2, :2] = [random.uniform(-perspective, perspective) for _ in range(2)]
     # R rotates and scales.
     degrees = hyp["degrees"]
     angle = math.radians(random.uniform(-degrees, degrees))
@@ -49,154 +45,118 @@ def affine_matrix(in_wh: tuple, out_wh: tuple, hyp: dict) -> tuple[np.ndarray, f
     cos = scale * math.cos(angle)
     sin = scale * math.sin(angle)
     R = np.eye(3)
-    R[0, 0] = cos
-    R[0, 1] = sin
-    R[1, 0] = -sin
-    R[1, 1] = cos
+    R[:2, :2] = [[cos, sin], [-sin, cos]]
     shear = hyp["shear"]
-    shear_x = random.uniform(-shear, shear)
-    shear_y = random.uniform(-shear, shear)
     S = np.eye(3)
-    S[0, 1] = math.tan(math.radians(shear_x))
-    S[1, 0] = math.tan(math.radians(shear_y))
+    S[0, 1] = math.tan(math.radians(random.uniform(-shear, shear)))
+    S[1, 0] = math.tan(math.radians(random.uniform(-shear, shear)))
     # T moves the centre to a random point near the output's centre.
-    low = 0.5 - hyp["translate"]
-    high = 0.5 + hyp["translate"]
+    translate = hyp["translate"]
     T = np.eye(3)
-    T[0, 2] = random.uniform(low, high) * out_width
-    T[1, 2] = random.uniform(low, high) * out_height
+    T[:2, 2] = [random.uniform(0.5 - translate, 0.5 + translate) * side for side in out_wh]
     return T @ S @ R @ P @ C, scale
 
 
-def _paste(
-    out: torch.Tensor,
-    src: torch.Tensor,
-    scale: tuple,
-    offset: tuple,
-    rect: tuple,
-) -> tuple:
-    """Resample src (h,w,3) by x' = scale_x * x + offset_x (and so for y) into out[:, y0:y1, x0:x1]
-    of rect (x0, y0, x1, y1), only the needed crop -> (dx, dy): the drawn pixels are the exact
-    mapping shifted by |d| <= 0.5 px."""
-    left, top, right, bottom = rect
-    scale_x, scale_y = scale
-    offset_x, offset_y = offset
+def _paste(out: torch.Tensor, src: torch.Tensor, scale, offset, rect) -> np.ndarray:
+    """Resample src (h,w,3) by [x', y'] = scale * [x, y] + offset ([x, y] arrays) into the part of
+    out (3,H,W) in rect (int rows [x0, y0], [x1, y1]), only the needed crop -> [dx, dy]: the drawn
+    pixels are the exact mapping shifted by |d| <= 0.5 px."""
+    low, high = rect
     src_height, src_width = src.shape[:2]
-    # rect in source px.
-    src_left = (left - offset_x) / scale_x
-    src_right = (right - offset_x) / scale_x
-    src_top = (top - offset_y) / scale_y
-    src_bottom = (bottom - offset_y) / scale_y
     # The source columns and rows that land in rect, and one more on each side for the filter.
-    col0 = max(math.floor(src_left) - 1, 0)
-    col1 = min(math.ceil(src_right) + 1, src_width)
-    row0 = max(math.floor(src_top) - 1, 0)
-    row1 = min(math.ceil(src_bottom) + 1, src_height)
-    if col1 <= col0 or row1 <= row0:
-        return 0.0, 0.0
+    first = np.maximum(np.floor((low - offset) / scale) - 1, 0).astype(int)
+    last = np.ceil((high - offset) / scale) + 1
+    last = np.minimum(last, (src_width, src_height)).astype(int)
+    if (last <= first).any():
+        return np.zeros(2)
+    (col0, row0), (col1, row1) = first, last
     # A (3,h,w) view of the channels-last crop.
     crop = src[row0:row1, col0:col1].permute(2, 0, 1)
-    if scale_x != 1 or scale_y != 1:
+    if (scale != 1).any():
         crop = F.interpolate(
             crop[None],
-            scale_factor=(scale_y, scale_x),
+            scale_factor=tuple(scale[::-1]),
             mode="bilinear",
             antialias=True,
             recompute_scale_factor=False,
         )[0]
     # The exact output position of the crop's corner, and the pixel it is drawn at.
-    exact_x = scale_x * col0 + offset_x
-    exact_y = scale_y * row0 + offset_y
-    corner_x = round(exact_x)
-    corner_y = round(exact_y)
-    # The part of the drawn crop inside rect.
-    x0 = max(left, corner_x)
-    y0 = max(top, corner_y)
-    x1 = min(right, corner_x + crop.shape[2])
-    y1 = min(bottom, corner_y + crop.shape[1])
-    if x1 > x0 and y1 > y0:
-        part = crop[:, y0 - corner_y : y1 - corner_y]
-        part = part[:, :, x0 - corner_x : x1 - corner_x]
-        out[:, y0:y1, x0:x1] = part
-    return corner_x - exact_x, corner_y - exact_y
+    exact = scale * first + offset
+    corner = exact.round().astype(int)
+    # The part of the drawn crop inside rect: [x0, y0] to [x1, y1] in output px.
+    start = np.maximum(low, corner)
+    end = np.minimum(high, corner + (crop.shape[2], crop.shape[1]))
+    if (end > start).all():
+        (x0, y0), (x1, y1) = start, end
+        # The same part in crop px.
+        (crop_x0, crop_y0), (crop_x1, crop_y1) = start - corner, end - corner
+        out[:, y0:y1, x0:x1] = crop[:, crop_y0:crop_y1, crop_x0:crop_x1]
+    return corner - exact
 
 
 def render(pieces: list[Piece], M: np.ndarray, out_wh: tuple, load) -> tuple:
     """Pieces through canvas->output matrix M on grey uint8 (3,H,W) of size out_wh -> (image, per
     piece its pixels' (dx, dy) canvas shift). Scale+shift M: sources load()ed; else PIL warps."""
-    rotates_or_shears = M[0, 1] or M[1, 0]
-    projects = M[2, 0] or M[2, 1]
-    if rotates_or_shears or projects:
+    # Off the diagonal: M rotates, shears or projects.
+    if M[0, 1] or M[1, 0] or M[2, :2].any():
         return _render_warped(pieces, M, out_wh, load)
     width, height = out_wh
-    size = (3, height, width)
-    out = torch.full(size, FILL[0], dtype=torch.uint8)
+    out = torch.full((3, height, width), FILL[0], dtype=torch.uint8)
     shifts = []
-    # M maps canvas px to output px: x' = scale_x * x + shift_x, y' = scale_y * y + shift_y.
-    scale_x = M[0, 0]
-    shift_x = M[0, 2]
-    scale_y = M[1, 1]
-    shift_y = M[1, 2]
+    # M maps canvas px to output px: [x', y'] = scale * [x, y] + shift.
+    scale = M.diagonal()[:2]
+    shift = M[:2, 2]
     for piece in pieces:
-        rect = np.array(piece.clip) * (scale_x, scale_y, scale_x, scale_y)
-        rect = rect + (shift_x, shift_y, shift_x, shift_y)
-        rect = rect.clip(0, (width, height, width, height))
-        left, top, right, bottom = (round(v) for v in rect)
-        if right <= left or bottom <= top:
+        # The piece's clip, rows [x0, y0] and [x1, y1], in whole output px.
+        rect = np.reshape(piece.clip, (2, 2)) * scale + shift
+        rect = rect.clip(0, out_wh).round().astype(int)
+        if (rect[1] <= rect[0]).any():
             shifts.append((0.0, 0.0))
             continue
         # The piece's original px to output px.
-        zoom_x = scale_x * piece.r
-        zoom_y = scale_y * piece.r
+        zoom = scale * piece.r
         # load() may decode the image smaller (a JPEG draft): at the larger zoom, at most at the
         # canvas's scale; it returns the scale it decoded at.
-        decode_scale = min(max(zoom_x, zoom_y), piece.r)
-        image, (loaded_x, loaded_y) = load(piece.index, decode_scale)
-        dx, dy = _paste(
-            out,
-            image,
-            scale=(zoom_x / loaded_x, zoom_y / loaded_y),
-            offset=(scale_x * piece.ox + shift_x, scale_y * piece.oy + shift_y),
-            rect=(left, top, right, bottom),
-        )
-        shifts.append((dx / scale_x, dy / scale_y))
+        image, loaded = load(piece.index, min(zoom.max(), piece.r))
+        offset = scale * (piece.ox, piece.oy) + shift
+        drawn_shift = _paste(out, image, scale=zoom / loaded, offset=offset, rect=rect)
+        shifts.append(tuple(drawn_shift / scale))
     return out, shifts
 
 
 def _render_warped(pieces, M, out_wh, load):
     """render for an M that rotates, shears or projects: the pieces on the canvas, warped by PIL."""
-    canvas_width = math.ceil(max(piece.clip[2] for piece in pieces))
-    canvas_height = math.ceil(max(piece.clip[3] for piece in pieces))
-    canvas_size = (canvas_width, canvas_height)
-    canvas, shifts = render(pieces, np.eye(3), canvas_size, load)
+    # The canvas as far as the pieces reach.
+    far_corner = np.max([piece.clip[2:] for piece in pieces], 0)
+    canvas_wh = np.ceil(far_corner).astype(int).tolist()
+    canvas, shifts = render(pieces, np.eye(3), canvas_wh, load)
     # PIL maps output px back to canvas px. An affine M gives PIL's AFFINE result too.
     inverse = np.linalg.inv(M)
     inverse = inverse / inverse[2, 2]
-    coefficients = tuple(inverse.ravel()[:8])
     image = Image.fromarray(canvas.permute(1, 2, 0).numpy())
     image = image.transform(
         out_wh,
         method=Image.PERSPECTIVE,
-        data=coefficients,
+        data=tuple(inverse.ravel()[:8]),
         resample=Image.BILINEAR,
         fillcolor=FILL,
     )
-    warped = torch.from_numpy(np.array(image))
-    return warped.permute(2, 0, 1).contiguous(), shifts
+    # Stacking the bands is faster than permuting the interleaved pixels.
+    return torch.from_numpy(np.stack(image.split())), shifts
 
 
-def resample(polys: list, n: int = NPTS) -> np.ndarray:
-    """Closed polygons [(k,2)] -> (m,n,2): n points spread evenly over each one's vertex index."""
+def resample(polys: list) -> np.ndarray:
+    """Closed polygons [(k,2)] -> (m,NPTS,2): points spread evenly over each one's vertex index."""
     sizes = np.array([len(poly) for poly in polys])
     points = np.concatenate(polys)
     # Per polygon (a column): its first row in points, and its number of vertices.
     first = (np.cumsum(sizes) - sizes)[:, None]
     count = sizes[:, None]
-    # n positions from vertex 0 to vertex count (vertex 0 again), and the vertices around each.
-    steps = np.linspace(0, 1, n, dtype=np.float32)
+    # NPTS positions from vertex 0 to vertex count (vertex 0 again), and the vertices around each.
+    steps = np.linspace(0, 1, NPTS, dtype=np.float32)
     position = steps[None] * count
     vertex = np.minimum(position.astype(np.int64), count - 1)
-    following = np.where(vertex + 1 == count, 0, vertex + 1)
+    following = (vertex + 1) % count
     weight = (position - vertex)[..., None]
     start = points[vertex + first]
     end = points[following + first]
@@ -213,83 +173,58 @@ def place_labels(
 ):
     """Label dicts of the pieces through the geometry -> cls (n,), boxes (n,4) xyxy output px,
     polygons ((NPTS,2) output px; None: a box). scale: the affine's; shifts: render's."""
-    # Per label: its class, its box before (canvas px) and after (output px), whether it is a
-    # polygon. Each list starts with an empty part, which sets the dtypes (float64 boxes).
-    classes = [np.zeros(0, np.int64)]
-    before = [np.zeros((0, 4))]
-    after = [np.zeros((0, 4))]
-    is_polygon = [np.zeros(0, bool)]
+    # Per label: its box before (canvas px) and after (output px), its polygon or None.
+    before = []
+    after = []
     polygons = []
     for piece, label, shift in zip(pieces, labels, shifts):
         has_polygons = len(label["segments"]) > 0
-        x, y = _canvas_points(piece, label, shift)
-        top_left = [x.min(1), y.min(1)]
-        bottom_right = [x.max(1), y.max(1)]
-        before.append(np.stack(top_left + bottom_right, 1))
-        out_x, out_y = _project(M, x, y)
-        after.append(_output_boxes(out_x, out_y, out_wh, has_polygons))
-        if has_polygons:
-            polygons += list(np.stack([out_x, out_y], 2))
-        else:
-            polygons += [None] * len(out_x)
-        classes.append(label["cls"])
-        is_polygon.append(np.full(len(out_x), has_polygons))
-    classes = np.concatenate(classes)
-    before = np.concatenate(before) * scale
+        points = _canvas_points(piece, label, shift)
+        before.append(np.concatenate([points.min(1), points.max(1)], 1))
+        projected = _project(M, points)
+        after.append(_output_boxes(projected, out_wh, has_polygons))
+        polygons += [polygon if has_polygons else None for polygon in projected]
+    classes = np.concatenate([label["cls"] for label in labels])
+    # float64 boxes before, as the canvas points are.
+    before = np.concatenate(before).astype(np.float64) * scale
     boxes = np.concatenate(after).astype(np.float32)
-    keep = _box_candidates(before, boxes, np.concatenate(is_polygon))
-    kept_polygons = [poly for poly, kept in zip(polygons, keep) if kept]
+    is_polygon = np.array([polygon is not None for polygon in polygons], bool)
+    keep = _box_candidates(before, boxes, is_polygon)
+    kept_polygons = [polygon for polygon, kept in zip(polygons, keep) if kept]
     return classes[keep].astype(np.int64), boxes[keep], kept_polygons
 
 
 def _canvas_points(piece, label, shift):
     """A label's polygons (NPTS points each) or boxes (their 4 corners) in canvas px, clamped to
-    the piece's visible part -> x, y (n, points)."""
+    the piece's visible part -> (n, points, 2) [x, y]."""
     height, width = label["shape"]
     if len(label["segments"]) > 0:
         points = resample(label["segments"])
     else:
         points = box_corners(xywh2xyxy(label["bboxes"]))
-    canvas_width = width * piece.r
-    canvas_height = height * piece.r
     dx, dy = shift
-    x = points[..., 0] * canvas_width + piece.ox + dx
-    y = points[..., 1] * canvas_height + piece.oy + dy
+    x = points[..., 0] * (width * piece.r) + piece.ox + dx
+    y = points[..., 1] * (height * piece.r) + piece.oy + dy
     left, top, right, bottom = piece.clip
-    return np.clip(x, left, right), np.clip(y, top, bottom)
+    return np.stack([np.clip(x, left, right), np.clip(y, top, bottom)], 2)
 
 
-def _project(M, x, y):
-    """Points x, y (canvas px) through the 3x3 matrix M -> x, y (output px)."""
-    # The projective divisor: exactly 1 for an affine M.
-    divisor = _row_times(M[2], x, y)
-    out_x = _row_times(M[0], x, y) / divisor
-    out_y = _row_times(M[1], x, y) / divisor
-    return out_x, out_y
+def _project(M, points):
+    """Points (n, k, 2) [x, y] canvas px through the 3x3 matrix M -> (n, k, 2) output px."""
+    # M times each [x, y, 1] -> (n, k, 3): the last is the projective divisor, 1 for an affine M.
+    x = points[..., :1]
+    y = points[..., 1:]
+    homogeneous = x * M[:, 0] + y * M[:, 1] + M[:, 2]
+    return homogeneous[..., :2] / homogeneous[..., 2:]
 
 
-def _row_times(row, x, y):
-    """A row (3,) of a 3x3 matrix times the points [x, y, 1]."""
-    return row[0] * x + row[1] * y + row[2]
-
-
-def _output_boxes(x, y, out_wh, is_polygon):
-    """Boxes (n,4) xyxy output px of points x, y (n, points) output px, within the output."""
-    width, height = out_wh
-    if is_polygon:
-        # A polygon's box: the extent of its points inside the output.
-        inside_x = (x >= 0) & (x <= width)
-        inside_y = (y >= 0) & (y <= height)
-        inside = inside_x & inside_y
-    else:
-        # A box's: the extent of its corners, clipped.
-        inside = np.ones_like(x, bool)
-    left = np.where(inside, x, np.inf).min(1)
-    top = np.where(inside, y, np.inf).min(1)
-    right = np.where(inside, x, -np.inf).max(1)
-    bottom = np.where(inside, y, -np.inf).max(1)
-    boxes = np.stack([left, top, right, bottom], 1)
-    boxes = boxes.clip(0, (width, height, width, height))
+def _output_boxes(points, out_wh, is_polygon):
+    """Boxes (n,4) xyxy output px of points (n, k, 2) output px, within the output."""
+    # A polygon's box: the extent of its points inside the output; a box's: of its corners, clipped.
+    inside = ((points >= 0) & (points <= out_wh)).all(2) | (not is_polygon)
+    low = np.where(inside[..., None], points, np.inf).min(1)
+    high = np.where(inside[..., None], points, -np.inf).max(1)
+    boxes = np.concatenate([low, high], 1).clip(0, [*out_wh, *out_wh])
     # No point inside: an empty box, which the size rule drops.
     boxes[~inside.any(1)] = 0
     return boxes
@@ -299,23 +234,19 @@ def _box_candidates(before, after, is_polygon):
     """yolov5's rule for the labels to keep, from boxes (n,4) xyxy before and after the geometry
     (both in output px): wider and taller than 2 px, keeping over 1% of their area (polygons) or
     10% (boxes), aspect ratio under 100 -> (n,) bool."""
-    width_before = before[:, 2] - before[:, 0]
-    height_before = before[:, 3] - before[:, 1]
-    width = after[:, 2] - after[:, 0]
-    height = after[:, 3] - after[:, 1]
-    wide = width / (height + 1e-16)
-    tall = height / (width + 1e-16)
-    aspect = np.maximum(wide, tall)
-    area_kept = width * height / (width_before * height_before + 1e-16)
+    size_before = before[:, 2:] - before[:, :2]
+    size = after[:, 2:] - after[:, :2]
+    width, height = size.T
+    aspect = np.maximum(width / (height + 1e-16), height / (width + 1e-16))
+    area_kept = size.prod(1) / (size_before.prod(1) + 1e-16)
     area_ok = area_kept > np.where(is_polygon, 0.01, 0.1)
     return (width > 2.0) & (height > 2.0) & area_ok & (aspect < 100.0)
 
 
 def hsv_jitter(img: torch.Tensor, hyp: dict) -> torch.Tensor:
     """yolov5's HSV gains U(-1,1) * hsv_h/s/v + 1 on uint8 (3,H,W) RGB, applied in RGB."""
-    hue_gain = random.uniform(-1, 1) * hyp["hsv_h"] + 1
-    saturation_gain = random.uniform(-1, 1) * hyp["hsv_s"] + 1
-    value_gain = random.uniform(-1, 1) * hyp["hsv_v"] + 1
+    gains = [random.uniform(-1, 1) * hyp[key] + 1 for key in ("hsv_h", "hsv_s", "hsv_v")]
+    hue_gain, saturation_gain, value_gain = gains
     red, green, blue = map(Image.fromarray, img.numpy())
     # Saturation: a blend with the grey of V = max(R, G, B).
     value = ImageChops.lighter(ImageChops.lighter(red, green), blue)
@@ -331,40 +262,30 @@ def hsv_jitter(img: torch.Tensor, hyp: dict) -> torch.Tensor:
     diagonal = cos + along
     plus = along + across
     minus = along - across
-    rotation = np.array(
-        [
-            [diagonal, minus, plus],
-            [plus, diagonal, minus],
-            [minus, plus, diagonal],
-        ]
-    )
+    # A circulant matrix: each row is the one above shifted right by one.
+    rotation = np.stack([np.roll([diagonal, minus, plus], k) for k in range(3)])
     # PIL's convert takes a 3x4 matrix: a 4th column of offsets, here 0.
-    matrix = np.zeros((3, 4))
-    matrix[:, :3] = rotation * value_gain
+    matrix = np.pad(rotation * value_gain, [(0, 0), (0, 1)])
     image = image.convert("RGB", tuple(matrix.ravel().tolist()))
     # Stacking the bands is faster than permuting the interleaved pixels.
-    bands = [np.asarray(band) for band in image.split()]
-    return torch.from_numpy(np.stack(bands))
+    return torch.from_numpy(np.stack(image.split()))
 
 
 def polygon_area(polygon: np.ndarray) -> float:
     """Area of a closed polygon (k, 2) [x, y] (shoelace formula)."""
-    x = polygon[:, 0]
-    y = polygon[:, 1]
-    forward = x[:-1] @ y[1:]
-    backward = x[1:] @ y[:-1]
+    x, y = polygon.T
+    twice_area = x[:-1] @ y[1:] - x[1:] @ y[:-1]
     # The closing edge, from the last vertex to the first.
-    closing_forward = x[-1] * y[0]
-    closing_backward = x[0] * y[-1]
-    twice_area = forward - backward + closing_forward - closing_backward
+    twice_area = twice_area + x[-1] * y[0] - x[0] * y[-1]
     return 0.5 * abs(float(twice_area))
 
 
-def overlap_mask(polys: list, boxes: np.ndarray, out_hw: tuple, ratio: int = 4) -> torch.Tensor:
-    """Overlap index map (H//ratio, W//ratio) uint8 (int16 from 256 instances): k where a pixel's
+def overlap_mask(polys: list, boxes: np.ndarray, out_hw: tuple) -> torch.Tensor:
+    """Overlap index map (H//4, W//4) uint8 (int16 from 256 instances): k where a pixel's
     centre is in polys[k-1] (m,2) output px, or boxes[k-1] xyxy if None; smaller on top (yolov5)."""
-    height = out_hw[0] // ratio
-    width = out_hw[1] // ratio
+    # The masks' resolution, a quarter of the input's.
+    height = out_hw[0] // 4
+    width = out_hw[1] // 4
     few = len(boxes) < 256
     # PIL truncates vertices and fills a polygon's edges too: drawn at twice the size, then
     # sampled at the pixel centres.
@@ -376,9 +297,8 @@ def overlap_mask(polys: list, boxes: np.ndarray, out_hw: tuple, ratio: int = 4) 
     areas = np.array([polygon_area(shape) for shape in shapes])
     # The largest first, so that smaller ones are drawn over it.
     for k in np.argsort(-areas, kind="stable"):
-        vertices = shapes[k] * (2 / ratio) + 0.5
-        number = int(k) + 1
-        draw.polygon(vertices.ravel().tolist(), fill=number)
+        vertices = shapes[k] / 2 + 0.5
+        draw.polygon(vertices.ravel().tolist(), fill=int(k) + 1)
     sampled = np.asarray(mask)[1::2, 1::2]
     dtype = np.uint8 if few else np.int16
     return torch.from_numpy(sampled.astype(dtype))

@@ -62,16 +62,18 @@ def augment(images: torch.Tensor, sizes: list, keys: list) -> torch.Tensor:
     draws = [draw(key, *hw) for key, hw in zip(keys, sizes)]
     boxes, flips, colours = zip(*draws)
     side = images.shape[-1]
-    device = images.device
     rois = [[k, *(v * side for v in box)] for k, box in enumerate(boxes)]
     jittered = [k for k, colour in enumerate(colours) if colour != (1.0, 1.0, 1.0)]
+
     # Copies to the device that do not wait for it, and a select and index lists made on the host
     # rather than masks (on a GPU, a mask would wait for the previous step to end).
-    rois = torch.tensor(rois).to(device, non_blocking=True)
-    flips = torch.tensor(flips).to(device, non_blocking=True)
-    factors = torch.tensor([colours[k] for k in jittered]).view(-1, 3)
-    factors = factors.to(device, non_blocking=True)
-    jittered = torch.tensor(jittered, dtype=torch.long).to(device, non_blocking=True)
+    def upload(values, dtype=None):
+        return torch.tensor(values, dtype=dtype).to(images.device, non_blocking=True)
+
+    rois = upload(rois)
+    flips = upload(flips)
+    factors = upload([colours[k] for k in jittered]).view(-1, 3)
+    jittered = upload(jittered, dtype=torch.long)
     # aligned: box edges are pixel edges; sampling_ratio -1: ceil(box / side) samples a pixel
     # and axis, averaged, so that a crop is smoothed as it shrinks
     x = roi_align(images.float(), rois, side, sampling_ratio=-1, aligned=True)

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image, ImageOps
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
-from torchvision.datasets.folder import IMG_EXTENSIONS, ImageFolder
+from torchvision.datasets.folder import ImageFolder
 from torchvision.transforms import v2
 
 from . import shapes
@@ -49,8 +49,10 @@ def load_data_config(path: str) -> dict:
     if config.is_dir():
         return load_folder_data(config)
     if not config.exists():
-        embedded = "the embedded datasets are shapes (detect, segment) and shapes-cls (classify)"
-        raise DataError(f"data yaml {path} not found; {embedded}")
+        raise DataError(
+            f"data yaml {path} not found; the embedded datasets are shapes (detect, segment) "
+            "and shapes-cls (classify)"
+        )
     try:
         cfg = read_yaml(config, "data yaml")
     except FileError as e:
@@ -95,8 +97,7 @@ def load_folder_data(root: Path) -> dict:
     val = root / ("val" if (root / "val").is_dir() else "test")
     if not (train.is_dir() and val.is_dir()):
         raise DataError(f"{root}: a classification dataset has train/ and val/ (or test/) folders")
-    names = sorted(entry.name for entry in os.scandir(train) if entry.is_dir())
-    val_names = sorted(entry.name for entry in os.scandir(val) if entry.is_dir())
+    names, val_names = (sorted(e.name for e in os.scandir(d) if e.is_dir()) for d in (train, val))
     if not names:
         raise DataError(f"{train}: no class folders")
     if names != val_names:
@@ -127,8 +128,10 @@ def cache_in_ram(load, count: int, size: int, cache, local_world_size: int, pref
     free = available_memory()
     need = size * local_world_size
     if cache == "ram" and free and need > free:
-        gb = f"needs {need / 1e9:.1f} GB, {free / 1e9:.1f} GB is available"
-        raise DataError(f"{prefix}caching the images in RAM {gb}: use --cache off")
+        raise DataError(
+            f"{prefix}caching the images in RAM needs {need / 1e9:.1f} GB, "
+            f"{free / 1e9:.1f} GB is available: use --cache off"
+        )
     # auto: if small enough, decode each image once instead of in every epoch (forked workers
     # share these pages)
     if not (cache == "ram" or (cache == "auto" and need < free / 10)):
@@ -227,21 +230,15 @@ class YOLODataset(Dataset):
             image = self._ram[i]
         else:
             try:
-                im = Image.open(path)
-                if scale < 1:
-                    im.draft("RGB", (math.ceil(im.width * scale), math.ceil(im.height * scale)))
-                # 0x0112: the EXIF orientation tag; 1: as stored
-                if im.getexif().get(0x0112, 1) != 1:
-                    im = ImageOps.exif_transpose(im)
-                im = to_rgb8(im)
+                im = load_rgb(path, scale)
                 if wh:
                     im = im.resize(wh, Image.Resampling.BILINEAR)
             except Exception as e:
-                changed = "it changed after verification"
-                raise DataError(f"{path}: unreadable now ({e}); {changed}") from e
+                raise DataError(
+                    f"{path}: unreadable now ({e}); it changed after verification"
+                ) from e
             image = torch.from_numpy(np.array(im))
-        resized_by = (image.shape[1] / w0, image.shape[0] / h0)
-        return image, resized_by
+        return image, (image.shape[1] / w0, image.shape[0] / h0)
 
     def _letterbox(self, i):
         """-> ([Piece], canvas (w, h)): image i scaled to fit the input shape, centred."""
@@ -284,14 +281,12 @@ class YOLODataset(Dataset):
         if isinstance(key, tuple):
             random.seed("%d:%d:%d" % key)
             i = key[2]
-        mosaic = self.augment and not self.rect and random.random() < self.hyp["mosaic"]
-        if mosaic:
+        if self.augment and not self.rect and random.random() < self.hyp["mosaic"]:
             pieces, canvas = self._mosaic(i)
             out = (self.imgsz, self.imgsz)
         else:
             pieces, canvas = self._letterbox(i)
             out = canvas
-        width, height = out
         matrix = np.eye(3)
         scale = 1.0
         if self.augment:
@@ -299,8 +294,8 @@ class YOLODataset(Dataset):
         image, shifts = render(pieces, matrix, out_wh=out, load=self.load_image)
         first = pieces[0]
         label = self.labels[i]
-        shift_x, shift_y = shifts[0]
-        pad = (float(first.ox + shift_x), float(first.oy + shift_y))
+        # where the original's (0, 0) is drawn, in input px
+        pad = tuple(np.add((first.ox, first.oy), shifts[0]).tolist())
         if self.augment:
             labels = [self.labels[piece.index] for piece in pieces]
             cls, boxes, polys = place_labels(
@@ -321,11 +316,11 @@ class YOLODataset(Dataset):
             boxes = xywh2xyxy(label["bboxes"] * to_pixels + [*pad, 0, 0])
             polys = [s * to_pixels[:2] + pad for s in label["segments"]]
             polys = polys or [None] * len(cls)
-        xywh = xyxy2xywh(boxes) / [width, height, width, height]
-        rows = np.concatenate([np.reshape(cls, (-1, 1)), xywh], 1)
+        xywh = xyxy2xywh(boxes) / np.tile(out, 2)
+        rows = np.column_stack([cls, xywh])
         masks = None
         if self.task == "segment":
-            masks = overlap_mask(polys, boxes, (height, width))
+            masks = overlap_mask(polys, boxes, out[::-1])
         ratio = float(first.r)
         return dict(
             image=image,
@@ -358,37 +353,34 @@ def to_rgb8(image: Image.Image) -> Image.Image:
     if image.mode == "RGB":
         return image
     if image.mode == "F":
-        grey = float_to_uint8(np.asarray(image))
+        values = np.asarray(image, np.float64)
+        finite = values[np.isfinite(values)]
+        if ((finite >= 0) & (finite <= 1)).all():
+            values = values * 255
+        # NaN as 0; infinities as the largest floats, clipped below
+        grey = np.nan_to_num(values).round()
     elif image.mode.startswith("I"):
-        grey = int_to_uint8(np.asarray(image))
+        values = np.asarray(image, np.int64)
+        shift = 8
+        if values.size and values.max() > 65535:
+            shift = 23
+        # negative values stay negative through the shift, and are clipped to 0 below
+        grey = values >> shift
     else:
         return image.convert("RGB")
-    return Image.fromarray(grey, "L").convert("RGB")
+    return Image.fromarray(np.clip(grey, 0, 255).astype(np.uint8), "L").convert("RGB")
 
 
-def float_to_uint8(values: np.ndarray) -> np.ndarray:
-    """Float pixels -> uint8: x 255 if the finite ones all lie in [0, 1], else clipped to 0..255."""
-    finite = values[np.isfinite(values)]
-    scale = 1.0
-    if ((finite >= 0) & (finite <= 1)).all():
-        scale = 255.0
-    # NaN as 0; infinities as the largest floats, clipped below
-    scaled = np.nan_to_num(values.astype(np.float64) * scale)
-    return np.clip(scaled, 0, 255).round().astype(np.uint8)
-
-
-def int_to_uint8(values: np.ndarray) -> np.ndarray:
-    """Integer pixels -> uint8: 16-bit (all in 0..65535) >> 8, else 31-bit >> 23; negative: 0."""
-    wide = np.clip(values.astype(np.int64), 0, None)
-    shift = 8
-    if wide.size and wide.max() > 65535:
-        shift = 23
-    return np.clip(wide >> shift, 0, 255).astype(np.uint8)
-
-
-def load_rgb(path: str) -> Image.Image:
-    """An image file as 8-bit RGB (to_rgb8), turned as its EXIF orientation says."""
-    return to_rgb8(ImageOps.exif_transpose(Image.open(path)))
+def load_rgb(path: str, scale: float = 1.0) -> Image.Image:
+    """An image file as 8-bit RGB (to_rgb8), turned as its EXIF orientation says; decoded at >=
+    scale x its size where the format can (a JPEG draft)."""
+    image = Image.open(path)
+    if scale < 1:
+        image.draft("RGB", (math.ceil(image.width * scale), math.ceil(image.height * scale)))
+    # 0x0112: the EXIF orientation tag; 1: as stored (exif_transpose would copy the image)
+    if image.getexif().get(0x0112, 1) != 1:
+        image = ImageOps.exif_transpose(image)
+    return to_rgb8(image)
 
 
 def center_square(im: Image.Image) -> Image.Image:
@@ -417,12 +409,12 @@ class ClassifyDataset(ImageFolder):
         steps = [] if augment else [center_square]
         self.transform = v2.Compose([*steps, v2.Resize((imgsz, imgsz)), v2.PILToTensor()])
         checks = thread_map(lambda s: verify(s[0], ""), self.samples)  # no label file
-        self.samples = [s for s, c in zip(self.samples, checks) if c[0] != CORRUPT]
+        self.samples = [s for s, c in zip(self.samples, checks) if c.status != CORRUPT]
         self.imgs, self.targets = self.samples, [k for _, k in self.samples]
         self.stats = dict(images=len(checks), corrupt=len(checks) - len(self.samples))
         if verbose:
             self.walk.warn(prefix)
-            for m in [m for c in checks for m in c[3]][:MAX_WARNINGS]:
+            for m in [m for c in checks for m in c.msgs][:MAX_WARNINGS]:
                 print(f"WARNING {prefix}{m}", flush=True)
             print(f"{prefix}{len(checks)} images, {self.stats['corrupt']} corrupt", flush=True)
         if not self.samples:
@@ -440,14 +432,17 @@ class ClassifyDataset(ImageFolder):
     def make_dataset(self, directory, class_to_idx, extensions=None, is_valid_file=None, **kw):
         """(path, class) of the images under directory/<class>/: ImageFolder's, but each real file
         once and regular files only (see labels.Walk; ImageFolder follows links round a loop)."""
-        walk, samples = Walk(), []
-        classes = sorted(class_to_idx.items(), key=lambda item: item[1])
-        walk.claim([directory, *(os.path.join(directory, name) for name, _ in classes)])
-        for name, k in classes:
-            for f in walk.files(os.path.join(directory, name)):
-                if f.lower().endswith(extensions or IMG_EXTENSIONS):
+        # its counts are warned about once the split is verified
+        self.walk = Walk()
+        # in find_classes' order: by name, and so by class
+        folders = {os.path.join(directory, name): k for name, k in class_to_idx.items()}
+        self.walk.claim([directory, *folders])
+        samples = []
+        for folder, k in folders.items():
+            for f in self.walk.files(folder):
+                # ImageFolder's IMG_EXTENSIONS
+                if f.lower().endswith(extensions):
                     samples.append((f, k))
-        self.walk = walk  # its counts are warned about once the split is verified
         return samples
 
     def load(self, i: int) -> tuple[torch.Tensor, tuple]:
@@ -460,8 +455,14 @@ class ClassifyDataset(ImageFolder):
         trainer augments batches, cls_augment)."""
         i = key[2] if isinstance(key, tuple) else key
         image, shape = self._ram[i] if self._ram else self.load(i)
-        sample = dict(image=image, targets=torch.tensor([[self.targets[i]]]), masks=None, index=i)
-        return sample | dict(shape=shape, path=self.samples[i][0])
+        return dict(
+            image=image,
+            targets=torch.tensor([[self.targets[i]]]),
+            masks=None,
+            path=self.samples[i][0],
+            shape=shape,
+            index=i,
+        )
 
 
 def collate(samples: list[dict]) -> dict:
@@ -473,7 +474,7 @@ def collate(samples: list[dict]) -> dict:
     masks = None
     if samples[0]["masks"] is not None:
         masks = torch.stack([s["masks"] for s in samples]).float()
-    indices = torch.tensor([s["index"] for s in samples], dtype=torch.int64)
+    indices = torch.tensor([s["index"] for s in samples])
     return dict(
         images=images,
         targets=torch.cat(rows),
@@ -507,16 +508,11 @@ def yield_cpu(worker_id: int) -> None:
     # main process says it once and ends the workers; a worker neither prints a traceback nor dies
     # by the signal (which the main process would report as a crashed worker)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, _exit_quietly)
+    signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(0))
     # where the cores are few, a worker preempting one of the step's OpenMP threads stalls them
     # all; at nice 19 workers fill the step's idle moments; Windows has no nice
     if hasattr(os, "nice"):
         os.nice(19)
-
-
-def _exit_quietly(signum, frame) -> None:
-    """A data worker's SIGTERM handler: end at once with exit code 0."""
-    os._exit(0)
 
 
 def build_dataloader(
