@@ -255,14 +255,13 @@ class YOLOLoss:
         kept = worst < self.hyp["anchor_t"]
         anchor, target = kept.nonzero(as_tuple=True)
         xy = grid_xywh[target, :2]
-        # xy_inverse is the centre's distance to the right and lower borders.
-        xy_inverse = gain[:2] - xy
-        near_low = (xy % 1 < 0.5) & (xy > 1)
-        near_high = (xy_inverse % 1 < 0.5) & (xy_inverse > 1)
+        # The centre's distances (n, 4) to the left, upper, right and lower borders of the map.
+        distances = torch.cat((xy, gain[:2] - xy), 1)
+        near = (distances % 1 < 0.5) & (distances > 1)
         # use (5, n) marks the cells a pair is assigned to: its own, and the neighbours near its
         # centre.
-        own = torch.ones_like(near_low[:, :1])
-        use = torch.cat((own, near_low, near_high), 1).T
+        own = torch.ones_like(near[:, :1])
+        use = torch.cat((own, near), 1).T
         offset, pair = use.nonzero(as_tuple=True)
         anchor = anchor[pair]
         target = target[pair]
@@ -289,10 +288,8 @@ class YOLOLoss:
             maps, protos = preds
             if masks is None:
                 raise ValueError("YOLOLoss: a segmentation model needs masks (bs, H/4, W/4)")
-            # The masks at the protos' size (nearest).
-            size = protos.shape[-2:]
-            if masks.shape[-2:] != size:
-                masks = F.interpolate(masks[None].float(), size, mode="nearest")[0]
+            # The masks at the protos' size (nearest: a float copy when the sizes match).
+            masks = F.interpolate(masks[None].float(), protos.shape[-2:], mode="nearest")[0]
         if targets.ndim != 2 or targets.shape[1] != 6:
             shape = tuple(targets.shape)
             raise ValueError(f"YOLOLoss: targets must be (N, 6) [img, cls, xywh], not {shape}")
