@@ -310,15 +310,18 @@ class YOLOLoss:
             obj_target = torch.zeros_like(level_map[..., 4])
             if len(positives.image):
                 pred = level_map[positives.cells]
-                pred_box = self._pred_boxes(pred, positives.anchor_wh)
-                iou = bbox_ciou(pred_box, positives.target_box)
+                # The predicted boxes (n, 4), grid xywh, xy from the cell's corner.
+                xy = pred[:, :2].sigmoid() * 2 - 0.5
+                wh = (pred[:, 2:4].sigmoid() * 2) ** 2 * positives.anchor_wh
+                iou = bbox_ciou(torch.cat((xy, wh), 1), positives.target_box)
                 box_loss += (1.0 - iou).mean()
                 self._set_obj_target(obj_target, positives, iou)
                 # A single class needs no classifier: objectness covers it.
                 if self.nc > 1:
-                    class_logits = pred[:, 5 : 5 + self.nc]
-                    classes = targets[positives.target, 1]
-                    cls_loss += self._class_loss(class_logits, classes)
+                    classes = targets[positives.target, 1].long()
+                    onehot = F.one_hot(classes, self.nc).bool()
+                    class_target = torch.where(onehot, self.class_positive, self.class_negative)
+                    cls_loss += self._bce(pred[:, 5 : 5 + self.nc], class_target, self.cls_pw)
                 if self.nm:
                     mask_positives = MaskPositives(
                         group=level * batch_size + positives.image,
@@ -343,13 +346,6 @@ class YOLOLoss:
         return loss, {name: value.detach()[0] for name, value in items.items()}
 
     @staticmethod
-    def _pred_boxes(pred: Tensor, anchor_wh: Tensor) -> Tensor:
-        """(n, 4) grid xywh of the positives' predictions (n, no), xy from the cell's corner."""
-        xy = pred[:, :2].sigmoid() * 2 - 0.5
-        wh = (pred[:, 2:4].sigmoid() * 2) ** 2 * anchor_wh
-        return torch.cat((xy, wh), 1)
-
-    @staticmethod
     def _set_obj_target(obj_target: Tensor, positives: Assignment, iou: Tensor) -> None:
         """Write the positives' detached IoU (n,) into obj_target (bs, na, ny, nx), in place."""
         # Several positives may share a cell: the last in assignment order wins (what yolov5's
@@ -362,12 +358,6 @@ class YOLOLoss:
         last.scatter_reduce_(0, cell, order, "amax")
         iou_target = iou.detach().clamp(0).to(obj_target.dtype)
         obj_target.view(-1)[cell] = iou_target[last[cell]]
-
-    def _class_loss(self, logits: Tensor, classes: Tensor) -> Tensor:
-        """BCE of the positives' class logits (n, nc) against their classes (n,), smoothed."""
-        onehot = F.one_hot(classes.long(), self.nc).bool()
-        target = torch.where(onehot, self.class_positive, self.class_negative)
-        return self._bce(logits, target, self.cls_pw)
 
 
 class ClassifyLoss(nn.CrossEntropyLoss):
