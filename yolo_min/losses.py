@@ -307,7 +307,8 @@ class YOLOLoss:
         for level, level_map in enumerate(maps):
             _, _, ny, nx, _ = level_map.shape
             positives = self._assign(level, targets, ny, nx)
-            obj_target = torch.zeros_like(level_map[..., 4])
+            # Contiguous (bs, na, ny, nx), also when the maps are not (channels_last).
+            obj_target = torch.zeros(level_map.shape[:4], dtype=level_map.dtype, device=device)
             if len(positives.image):
                 pred = level_map[positives.cells]
                 # The predicted boxes (n, 4), grid xywh, xy from the cell's corner.
