@@ -38,9 +38,7 @@ def ratio_metric(anchors: np.ndarray, wh: np.ndarray) -> np.ndarray:
 def bpr_and_aat(anchors: np.ndarray, wh: np.ndarray, threshold: float) -> tuple[float, float]:
     """(best possible recall, mean number of anchors above threshold per label)."""
     above = ratio_metric(anchors, wh) > 1 / threshold
-    bpr = above.any(0).mean()
-    anchors_above = above.sum(0).mean()
-    return float(bpr), float(anchors_above)
+    return float(above.any(0).mean()), float(above.sum(0).mean())
 
 
 def fitness(anchors: np.ndarray, wh: np.ndarray, threshold: float) -> float:
@@ -55,8 +53,7 @@ def kmeans(points: np.ndarray, k: int, rng: np.random.Generator, iters: int = 30
     # scipy's kmeans, which yolov5 calls, starts from k random rows too.
     centres = points[rng.choice(len(points), k, replace=False)]
     for _ in range(iters):
-        differences = points[:, None] - centres[None]
-        distances = (differences**2).sum(2)
+        distances = ((points[:, None] - centres) ** 2).sum(2)
         nearest = distances.argmin(1)
         # A centre that no point is nearest to stays where it is.
         for centre in np.unique(nearest):

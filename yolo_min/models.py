@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import reprlib
+from collections import OrderedDict
 from copy import deepcopy
 from pathlib import Path
 
@@ -20,22 +21,18 @@ from .files import read_yaml
 CFG_DIR = Path(__file__).parent / "cfg"
 
 
-class Conv(nn.Module):
+class Conv(nn.Sequential):
     """Conv2d (no bias) -> BatchNorm2d -> SiLU; `fuse()` folds the BN into the conv."""
 
     def __init__(self, in_channels, out_channels, kernel_size=1, stride=1, padding=None):
-        super().__init__()
         # "Same" padding for odd kernels unless the config gives one.
         if padding is None:
             padding = kernel_size // 2
-        self.conv = nn.Conv2d(
+        conv = nn.Conv2d(
             in_channels, out_channels, kernel_size, stride=stride, padding=padding, bias=False
         )
-        self.bn = nn.BatchNorm2d(out_channels, eps=1e-3, momentum=0.03)
-        self.act = nn.SiLU()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.act(self.bn(self.conv(x)))
+        bn = nn.BatchNorm2d(out_channels, eps=1e-3, momentum=0.03)
+        super().__init__(OrderedDict(conv=conv, bn=bn, act=nn.SiLU()))
 
 
 class Bottleneck(nn.Module):
@@ -49,9 +46,7 @@ class Bottleneck(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.cv2(self.cv1(x))
-        if self.add:
-            return x + y
-        return y
+        return x + y if self.add else y
 
 
 class C3(nn.Module):
@@ -97,21 +92,17 @@ class Concat(nn.Module):
         return torch.cat(x, 1)
 
 
-class Proto(nn.Module):
+class Proto(nn.Sequential):
     """Mask prototypes: P3 features (bs, in_channels, H/8, W/8) -> (bs, num_masks, H/4, W/4)."""
 
     def __init__(self, in_channels: int, hidden: int, num_masks: int):
-        super().__init__()
-        self.cv1 = Conv(in_channels, hidden, kernel_size=3)
-        self.upsample = nn.Upsample(scale_factor=2, mode="nearest")
-        self.cv2 = Conv(hidden, hidden, kernel_size=3)
-        self.cv3 = Conv(hidden, num_masks)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.cv1(x)
-        x = self.upsample(x)
-        x = self.cv2(x)
-        return self.cv3(x)
+        layers = OrderedDict(
+            cv1=Conv(in_channels, hidden, kernel_size=3),
+            upsample=nn.Upsample(scale_factor=2, mode="nearest"),
+            cv2=Conv(hidden, hidden, kernel_size=3),
+            cv3=Conv(hidden, num_masks),
+        )
+        super().__init__(layers)
 
 
 def _autocast_off(x: torch.Tensor) -> torch.autocast:
@@ -134,8 +125,7 @@ class Detect(nn.Module):
         self.na = len(anchors[0]) // 2
         anchors_wh = torch.tensor(anchors).float().view(self.nl, -1, 2)
         self.register_buffer("anchors", anchors_wh)
-        out_channels = self.no * self.na
-        self.m = nn.ModuleList(nn.Conv2d(c, out_channels, 1) for c in in_channels)
+        self.m = nn.ModuleList(nn.Conv2d(c, self.no * self.na, 1) for c in in_channels)
         # Model measures self.stride (nl,), the levels' strides in input pixels.
 
     def forward(self, features: list[torch.Tensor]):
@@ -162,8 +152,8 @@ class Detect(nn.Module):
         # grid (ny, nx, 2) holds each cell's [x, y].
         grid = torch.stack((cols, rows), 2)
         stride = self.stride[level]
-        anchors_px = self.anchors[level] * stride
-        anchors_px = anchors_px.view(1, self.na, 1, 1, 2).to(x)
+        # The anchors (na, 1, 1, 2) in input pixels.
+        anchors_px = (self.anchors[level] * stride)[:, None, None].to(x)
         channels = (2, 2, self.nc + 1, self.nm)
         xy, wh, scores, coefs = x.split(channels, 4)
         offset = grid.to(x) - 0.5
@@ -177,9 +167,7 @@ class Segment(Detect):
     """Detect plus nm mask coefficients: (Detect's output, protos (bs, nm, H/4, W/4) from P3)."""
 
     def __init__(self, num_classes, anchors, num_masks, proto_channels, in_channels):
-        super().__init__(
-            num_classes=num_classes, anchors=anchors, in_channels=in_channels, num_masks=num_masks
-        )
+        super().__init__(num_classes, anchors, in_channels, num_masks=num_masks)
         self.proto = Proto(in_channels[0], proto_channels, num_masks)
 
     def forward(self, features: list[torch.Tensor]):
@@ -191,26 +179,26 @@ class Segment(Detect):
         return detections, protos
 
 
-class Classify(nn.Module):
+class Classify(nn.Sequential):
     """1x1 Conv to 1280, average pool, dropout, Linear: (bs, c, h, w) -> logits (bs, nc)."""
 
     # The stride of the backbone's last map, which yolov5's classifiers keep.
     stride = torch.tensor([32.0])
 
     def __init__(self, in_channels: int, num_classes: int = 1000, dropout: float = 0.0):
-        super().__init__()
-        self.nc = num_classes
         # EfficientNet-B0's head width, with torch's BatchNorm defaults, as yolov5's Classify has.
-        self.conv = Conv(in_channels, 1280)
-        self.conv.bn.eps = 1e-5
-        self.conv.bn.momentum = 0.1
-        self.pool = nn.AdaptiveAvgPool2d(1)
-        self.drop = nn.Dropout(dropout, inplace=True)
-        self.linear = nn.Linear(1280, num_classes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        pooled = self.pool(self.conv(x)).flatten(1)
-        return self.linear(self.drop(pooled))
+        conv = Conv(in_channels, 1280)
+        conv.bn.eps = 1e-5
+        conv.bn.momentum = 0.1
+        layers = OrderedDict(
+            conv=conv,
+            pool=nn.AdaptiveAvgPool2d(1),
+            flatten=nn.Flatten(),
+            drop=nn.Dropout(dropout, inplace=True),
+            linear=nn.Linear(1280, num_classes),
+        )
+        super().__init__(layers)
+        self.nc = num_classes
 
 
 # A config may use only these names: a table, never eval().
@@ -339,12 +327,12 @@ def _check_row(row, index: int, depth_multiple: float, at: str) -> list:
 def _layer_args(module_class, args: list, in_channels: list, width_multiple: float) -> tuple:
     """(the constructor's args, the output channels) of a layer of module_class reading maps of
     in_channels; args: the config's, its symbols (nc, anchors) resolved."""
-    out_channels = in_channels[0]
+    # One input's channels, or a Concat's: their sum.
+    out_channels = sum(in_channels)
     if module_class in (Conv, C3, SPPF):
         out_channels = make_divisible(args[0] * width_multiple)
         args = [in_channels[0], out_channels, *args[1:]]
     elif module_class is Concat:
-        out_channels = sum(in_channels)
         args = []
     elif module_class is Classify:
         args = [in_channels[0], *args]
@@ -398,8 +386,7 @@ def parse_model(cfg: dict, where: str) -> tuple[nn.Sequential, list[int]]:
         layer.source = source
         layers.append(layer)
         reused.extend(j for j in sources if j != -1)
-        channels[index] = out_channels
-        channels[-1] = out_channels
+        channels[index] = channels[-1] = out_channels
     return nn.Sequential(*layers), sorted(set(reused))
 
 
@@ -418,8 +405,7 @@ class Model(nn.Module):
             raise ValueError(f"{where}: the last layer must be Detect, Segment or Classify")
         self.task = TASKS[type(head)]
         self.nc = head.nc
-        default_names = [str(i) for i in range(head.nc)]
-        self.names = self.yaml.get("names") or default_names
+        self.names = self.yaml.get("names") or [str(i) for i in range(head.nc)]
         if self.task != "classify":
             self._measure_strides()
             self._init_biases()
@@ -436,9 +422,7 @@ class Model(nn.Module):
         head = self.head
         with torch.no_grad():
             out = self.forward(torch.zeros(1, 3, 256, 256))
-        maps = out
-        if self.task == "segment":
-            maps = out[0]
+        maps = out[0] if self.task == "segment" else out
         # The strides live on the CPU, also when the model is built on the meta device.
         strides = [256 / x.shape[-3] for x in maps]
         head.stride = torch.tensor(strides, device="cpu")
