@@ -23,8 +23,8 @@ from .safe_load import CheckpointError, fitting_model, one_line_errors, read_che
 RUN_ID_FILE = ".torchrun_id"
 # in a run folder while a training writes it: pid, host, torchrun run id
 LOCK_FILE = "train.lock"
-# the lock files this process took, in the order taken
-HELD_LOCKS: dict[Path, None] = {}
+# the lock files this process took, in the order taken (a dict as an ordered set of paths)
+HELD_LOCKS = {}
 
 
 class SaveError(RuntimeError):

@@ -111,7 +111,7 @@ def list_images(sources, prefix: str = "", verbose: bool = True) -> list[str]:
                 skipped.append(os.path.normpath(f))
     if not files:
         raise DataError(f"{prefix}no images found in {', '.join(map(str, sources))}")
-    if skipped and verbose:
+    if verbose and skipped:
         print(
             f"WARNING {prefix}{len(skipped)} file(s) without an image extension"
             f" ({', '.join(IMG_FORMATS)}) skipped, e.g. {skipped[0]}",
@@ -134,27 +134,23 @@ class Walk:
     are listed (a FIFO would block a reader, a device never ends)."""
 
     def __init__(self):
-        self.seen: set[tuple[int, int]] = set()
-        # folders walked only as a root of their own
-        self.claimed: set[tuple[int, int]] = set()
+        # the file_id of each folder and file met
+        self.seen = set()
+        # those of folders counted as met until they are walked as a root
+        self.claimed = set()
         # links to a folder or file met before
         self.repeats = 0
-        # FIFOs, devices, sockets, broken links
-        self.others: list[str] = []
+        # the paths of FIFOs, devices, sockets, broken links
+        self.others = []
 
     def claim(self, folders) -> None:
         """Count folders as met (a link to one is not followed), but walk each given as a root:
         ImageFolder's split and class folders, so that no link moves a file to another class."""
-        keys = {file_id(folder) for folder in folders}
-        self.seen |= keys
-        self.claimed |= keys
+        self.claimed |= {file_id(folder) for folder in folders}
 
     def files(self, root: str | Path) -> list[str]:
         """The regular files under root not met before, sorted as paths."""
-        key = file_id(root)
-        if key in self.claimed:
-            self.claimed.remove(key)
-            self.seen.remove(key)
+        self.claimed.discard(file_id(root))
         found = []
         walk = os.walk(root, onerror=self._unreadable, followlinks=True)
         for folder, subfolders, names in walk:
@@ -173,10 +169,10 @@ class Walk:
                     found.append(path)
         return [str(f) for f in sorted(map(Path, found))]
 
-    def _first(self, key: tuple[int, int]) -> bool:
+    def _first(self, key) -> bool:
         """Whether the folder or file of key (file_id) is met for the first time (then
         remembered)."""
-        if key in self.seen:
+        if key in self.seen or key in self.claimed:
             self.repeats += 1
             return False
         self.seen.add(key)
@@ -329,19 +325,17 @@ def verify(im_file: str, lb_file: str, nc: int | None = None) -> Verified:
     except FileError as e:
         why = str(e).removeprefix(f"{lb_file}: ")
         return bad(f"label file {lb_file} unreadable ({why})")
-    parsed = parse_labels(text, lb_file, nc)
-    msgs += parsed.msgs
-    status = FOUND if parsed.rows else EMPTY
-    if parsed.dropped and not parsed.rows:
+    rows, row_msgs, dropped, fixed = parse_labels(text, lb_file, nc)
+    msgs += row_msgs
+    status = FOUND if rows else EMPTY
+    if dropped and not rows:
         msgs.append(f"{im_file}: no valid label rows in {lb_file}; image skipped")
         status = CORRUPT
-    return Verified(
-        status, (h, w), parsed.rows, msgs=msgs, dropped=parsed.dropped, fixed=parsed.fixed
-    )
+    return Verified(status, (h, w), rows, msgs=msgs, dropped=dropped, fixed=fixed)
 
 
 def _verify_all(files: list, lb_files: list, nc) -> dict:
-    """Verify every pair -> lists per file, flat tensors per row (weights_only-loadable)."""
+    """Verify every pair -> a value per file, flat tensors per row (weights_only-loadable)."""
     results = thread_map(verify, files, lb_files, [nc] * len(files))
     # per file: Verified's fields
     status, shapes, file_rows, file_msgs, dropped, fixed = zip(*results)
@@ -355,8 +349,8 @@ def _verify_all(files: list, lb_files: list, nc) -> dict:
     boxes = np.array([box for _, box, _ in rows], np.float32).reshape(-1, 4)
     points = np.concatenate([*polygons, np.zeros((0, 2))]).astype(np.float32)
     return dict(
-        status=list(status),
-        shapes=list(shapes),
+        status=status,
+        shapes=shapes,
         nrows=[len(per_file) for per_file in file_rows],
         cls=torch.tensor([cls for cls, _, _ in rows], dtype=torch.int64),
         boxes=torch.from_numpy(boxes),
@@ -384,7 +378,7 @@ def _load_or_build(files: list, nc, prefix: str, verbose: bool) -> dict:
     # absent, another format or damaged: verify again
     with contextlib.suppress(Exception):
         # a FIFO would block torch.load; weights_only: tensors, lists, numbers, strings, no code
-        if stat.S_ISREG(os.stat(path).st_mode):
+        if os.path.isfile(path):
             data = torch.load(path, weights_only=True)
             if data["key"] == key:
                 return data

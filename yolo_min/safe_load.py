@@ -62,7 +62,7 @@ def _class_names(names, model):
     elif not names:
         names = model.names
     fits = isinstance(names, list) and len(names) == model.nc
-    if not fits or not all(type(name) is str for name in names):
+    if not (fits and all(type(name) is str for name in names)):
         raise CheckpointError(f"its names are not {model.nc} class names")
     return names
 
@@ -204,22 +204,20 @@ def check_tuples(pkl: bytes) -> None:
     total = 0
     mark = pickletools.markobject
     for opcode, arg, _ in pickletools.genops(pkl):
-        takes = opcode.stack_before
         if opcode.name in MEMO_PUTS:
             key = len(memo) if arg is None else arg
             memo[key] = stack[-1]
         elif opcode.name == "MARK":
             marks.append(len(stack))
         elif opcode.name in COPY_PUSHES:
-            copy = stack[-1] if arg is None else memo[arg]
-            stack.append(copy)
+            stack.append(stack[-1] if arg is None else memo[arg])
         else:
             # Pop what the opcode takes (the objects from its mark on, and those below), push
             # what it makes.
+            takes = opcode.stack_before
+            start = len(stack) - len(takes)
             if mark in takes:
                 start = marks.pop() - takes.index(mark)
-            else:
-                start = len(stack) - len(takes)
             tuples = 0
             if "TUPLE" in opcode.name:
                 tuples = 1 + sum(stack[start:])
