@@ -217,10 +217,9 @@ def row_problem(line, values, nc):
     if cls != int(cls) or cls < 0 or (nc is not None and cls >= nc):
         limit = nc if nc is not None else "nc"
         return f"class {parts[0]} is not an integer in [0, {limit})"
-    if n == 5 and (values[3] <= 0 or values[4] <= 0):
+    if n == 5 and values[3:].min() <= 0:
         return "box with zero or negative width/height"
-    points = values[1:].reshape(-1, 2)
-    if n > 5 and len(np.unique(points, axis=0)) < 3:
+    if n > 5 and len(np.unique(values[1:].reshape(-1, 2), axis=0)) < 3:
         return "polygon with fewer than 3 distinct points"
     return None
 
