@@ -23,8 +23,8 @@ from .safe_load import CheckpointError, fitting_model, one_line_errors, read_che
 RUN_ID_FILE = ".torchrun_id"
 # in a run folder while a training writes it: pid, host, torchrun run id
 LOCK_FILE = "train.lock"
-# the lock files this process took, in the order taken
-HELD_LOCKS: dict[Path, None] = {}
+# the lock files this process took, in the order taken (a dict as an ordered set of paths)
+HELD_LOCKS = {}
 
 
 class SaveError(RuntimeError):
@@ -71,15 +71,14 @@ def make_run_dir(args, hyp: dict, run_id: str | None, need_bytes: int) -> Path:
     existing = next(p for p in (path, *path.parents) if p.exists())
     free = shutil.disk_usage(existing).free
     if free < need_bytes:
-        need = f"checkpoints need about {need_bytes / 1e6:.0f} MB"
-        raise ValueError(f"{path}: only {free / 1e6:.1f} MB free on disk, {need}")
+        raise ValueError(
+            f"{path}: only {free / 1e6:.1f} MB free on disk,"
+            f" checkpoints need about {need_bytes / 1e6:.0f} MB"
+        )
     try:
         (path / "weights").mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ValueError(f"cannot write the run folder {path}: {e}") from None
-    # before anything in it is written: a folder another training writes is not touched
-    lock_run(path, run_id)
-    try:
+        # before anything in it is written: a folder another training writes is not touched
+        lock_run(path, run_id)
         (path / "args.yaml").write_text(yaml.safe_dump(vars(args), sort_keys=False))
         (path / "hyp.yaml").write_text(yaml.safe_dump(hyp, sort_keys=False))
         (path / RUN_ID_FILE).write_text(run_id or "")
@@ -124,9 +123,7 @@ def is_run_dir(path: Path, keys: set[str]) -> bool:
         stored = read_yaml(path / "args.yaml")
     except FileError:
         return False
-    if not isinstance(stored, dict) or set(stored) != keys:
-        return False
-    return (path / "weights").is_dir()
+    return isinstance(stored, dict) and set(stored) == keys and (path / "weights").is_dir()
 
 
 def run_folder(last: Path, keys: set[str]) -> Path:
@@ -135,9 +132,10 @@ def run_folder(last: Path, keys: set[str]) -> Path:
     run = last.parent.parent
     in_weights = last.name == "last.pt" and last.parent.name == "weights"
     if not (in_weights and is_run_dir(run, keys)):
-        where = "not a run's weights/last.pt (train.py writes <run>/weights/last.pt beside"
-        hint = "its <run>/args.yaml); to start from its weights use --weights"
-        raise ValueError(f"--resume {last}: {where} {hint}")
+        raise ValueError(
+            f"--resume {last}: not a run's weights/last.pt (train.py writes <run>/weights/last.pt"
+            " beside its <run>/args.yaml); to start from its weights use --weights"
+        )
     return run
 
 
@@ -150,9 +148,10 @@ def newest_run(project: str | Path, keys: set[str]) -> Path:
         raise ValueError(f"--resume: no run with a weights/last.pt under {project}")
     newest = max(runs, key=_last_active)
     if not (newest / "weights" / "last.pt").is_file():
-        why = f"the newest run under {project}, {newest}, has no weights/last.pt"
-        hint = "(stopped before its first epoch ended): start it again, or --resume a run's last.pt"
-        raise ValueError(f"--resume: {why} {hint}")
+        raise ValueError(
+            f"--resume: the newest run under {project}, {newest}, has no weights/last.pt (stopped"
+            " before its first epoch ended): start it again, or --resume a run's last.pt"
+        )
     return newest
 
 
@@ -173,19 +172,17 @@ def lock_run(run: Path, run_id: str | None) -> None:
     if lock in HELD_LOCKS:
         return
     mine = f"{os.getpid()}\n{socket.gethostname()}\n{run_id or ''}\n"
-    # O_EXCL: only if no file of that name exists
-    create_new = os.O_WRONLY | os.O_CREAT | os.O_EXCL
     # a lock found stale is removed, then taken once more
     for _ in range(2):
         try:
-            fd = os.open(lock, create_new, 0o644)
+            # "x": only if no file of that name exists (O_EXCL)
+            with open(lock, "x") as f:
+                f.write(mine)
         except FileExistsError:
             _remove_if_stale(lock, run_id)
             continue
         except OSError as e:
             raise ValueError(f"cannot write the run folder {run}: {e}") from None
-        with os.fdopen(fd, "w") as f:
-            f.write(mine)
         HELD_LOCKS[lock] = None
         return
     raise ValueError(f"{run} is being locked by another training at the same time ({lock})")
@@ -206,9 +203,10 @@ def _remove_if_stale(lock: Path, run_id: str | None) -> None:
     # a pid of this process: an earlier process had it (a container's pids repeat)
     gone = here and (int(pid) == os.getpid() or _gone(int(pid)))
     if not (restarted or gone):
-        holder = f"pid {pid or '?'} on {host or '?'}"
-        hint = f"wait for it to end, or delete {lock} if no training uses the folder"
-        raise ValueError(f"{lock.parent} is in use by another training ({holder}): {hint}")
+        raise ValueError(
+            f"{lock.parent} is in use by another training (pid {pid or '?'} on {host or '?'}):"
+            f" wait for it to end, or delete {lock} if no training uses the folder"
+        )
     print(f"warning: {lock} was left by a training that is gone ({pid} on {host}): taken over")
     # the same file as read: another process may have replaced it in the meantime
     if _read_small(lock) == text:
@@ -223,7 +221,7 @@ def _gone(pid: int) -> bool:
         return True
     # another user's process
     except PermissionError:
-        return False
+        pass
     return False
 
 
@@ -232,8 +230,8 @@ def release_locks() -> None:
     mine = f"{os.getpid()}\n{socket.gethostname()}\n"
     for lock in list(HELD_LOCKS):
         HELD_LOCKS.pop(lock, None)
-        text = _read_small(lock)
-        if text is not None and text.startswith(mine):
+        # None: not a small file (gone, ...)
+        if (_read_small(lock) or "").startswith(mine):
             lock.unlink(missing_ok=True)
 
 
@@ -258,9 +256,9 @@ def rng_state() -> dict:
 
 
 def set_rng_state(state: dict) -> None:
-    name, keys, *rest = state["numpy"]
-    keys = np.array(keys, np.uint32)
-    np.random.set_state((name, keys, *rest))
+    """Restore what `rng_state` returned."""
+    # numpy's key: any sequence of uint32
+    np.random.set_state(tuple(state["numpy"]))
     random.setstate(state["python"])
     torch.set_rng_state(state["torch"])
     if state["cuda"] and torch.cuda.is_available():
@@ -310,9 +308,12 @@ def restore(ckpt: dict, model, ema, optimizer, scaler, rank: int, world_size: in
         # its settings replace ours: are they of the same types?
         kinds = _setting_types(optimizer)
         optimizer.load_state_dict(ckpt["optimizer"])
-        state = [(p, v) for p, s in optimizer.state.items() for v in s.values()]
         # a value per parameter: a tensor of its shape, or a scalar (Adam's step)
-        ok = all(torch.is_tensor(v) and v.shape in (p.shape, ()) for p, v in state)
+        ok = all(
+            torch.is_tensor(v) and v.shape in (p.shape, ())
+            for p, values in optimizer.state.items()
+            for v in values.values()
+        )
         if not ok or kinds != _setting_types(optimizer):
             raise CheckpointError("its optimizer state does not fit this model's optimizer")
         # empty when saved without a CUDA scaler
@@ -357,11 +358,10 @@ def signals_held():
         yield
         return
     held = []
-
-    def hold(signum, frame):
-        held.append(signum)
-
-    old = {s: signal.signal(s, hold) for s in (signal.SIGINT, signal.SIGTERM)}
+    old = {
+        s: signal.signal(s, lambda signum, frame: held.append(signum))
+        for s in (signal.SIGINT, signal.SIGTERM)
+    }
     try:
         yield
     finally:
@@ -380,13 +380,16 @@ def load(path: str | Path) -> dict:
     """A yolo_min training checkpoint for --resume, checked as `training_state` saves it."""
     ckpt = read_checked(path)
     with one_line_errors(f"{path}: "):
-        ok = type(ckpt) is dict
-        ok = ok and all(isinstance(ckpt.get(k), t) for k, t in RESUME_TYPES.items())
-        ok = ok and min(ckpt["epoch"], ckpt["best_epoch"], ckpt["ema_updates"]) >= 0
-        ok = ok and all(type(v) in (int, float) for v in ckpt["scaler"].values())
-        # results_csv: absent before this version
-        ok = ok and isinstance(ckpt.get("results_csv", ""), str)
-        if not ok or not 0 < len(ckpt["rng"]["ranks"]) == ckpt["rng"]["world_size"]:
+        ok = (
+            type(ckpt) is dict
+            and all(isinstance(ckpt.get(k), t) for k, t in RESUME_TYPES.items())
+            and min(ckpt["epoch"], ckpt["best_epoch"], ckpt["ema_updates"]) >= 0
+            and all(type(v) in (int, float) for v in ckpt["scaler"].values())
+            # results_csv: absent before this version
+            and isinstance(ckpt.get("results_csv", ""), str)
+            and 0 < len(ckpt["rng"]["ranks"]) == ckpt["rng"]["world_size"]
+        )
+        if not ok:
             raise CheckpointError("its values are not of the types and ranges train.py saves")
         fitting_model(ckpt["model_cfg"], ckpt["model"])
     return ckpt

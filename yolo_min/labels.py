@@ -38,8 +38,10 @@ OPEN_ERRORS = {
 }
 # PIL's formats for an extension; others: the extension, upper case
 PIL_FORMATS = {"jpg": "JPEG MPO", "jpeg": "JPEG MPO", "tif": "TIFF"}
-SUMMARY = "{images} images: {found} labelled, {missing} missing labels, {empty} empty, "
-SUMMARY += "{corrupt} corrupt; {instances} instances; label rows: {dropped} dropped, {fixed} fixed"
+SUMMARY = (
+    "{images} images: {found} labelled, {missing} missing labels, {empty} empty, "
+    "{corrupt} corrupt; {instances} instances; label rows: {dropped} dropped, {fixed} fixed"
+)
 
 
 class DataError(ValueError):
@@ -93,29 +95,37 @@ def list_images(sources, prefix: str = "", verbose: bool = True) -> list[str]:
         if not src.exists():
             raise DataError(f"{prefix}{src} not found")
         if src.is_dir():
-            found = [Path(f) for f in walk.files(src)]
+            found = walk.files(src)
         elif src.suffix == ".txt":
             try:
                 text = read_text(src, MAX_LIST_BYTES, "image list")
             except FileError as e:
                 raise DataError(f"{prefix}{e}") from None
-            lines = [line.strip() for line in text.splitlines()]
-            found = [src.parent / line for line in lines if line]
+            found = [src.parent / line for line in map(str.strip, text.splitlines()) if line]
         else:
             found = [src]
-        for f in found:
+        for f in map(Path, found):
             if f.suffix[1:].lower() in IMG_FORMATS:
                 files.append(os.path.normpath(f))
             else:
                 skipped.append(os.path.normpath(f))
     if not files:
         raise DataError(f"{prefix}no images found in {', '.join(map(str, sources))}")
-    if skipped and verbose:
-        why = f"file(s) without an image extension ({', '.join(IMG_FORMATS)}) skipped"
-        print(f"WARNING {prefix}{len(skipped)} {why}, e.g. {skipped[0]}", flush=True)
+    if verbose and skipped:
+        print(
+            f"WARNING {prefix}{len(skipped)} file(s) without an image extension"
+            f" ({', '.join(IMG_FORMATS)}) skipped, e.g. {skipped[0]}",
+            flush=True,
+        )
     if verbose:
         walk.warn(prefix)
     return list(dict.fromkeys(files))
+
+
+def file_id(path: str | Path) -> tuple[int, int]:
+    """The (device, inode) of the file or folder at path, through links."""
+    st = os.stat(path)
+    return st.st_dev, st.st_ino
 
 
 class Walk:
@@ -124,34 +134,27 @@ class Walk:
     are listed (a FIFO would block a reader, a device never ends)."""
 
     def __init__(self):
-        self.seen: set[tuple[int, int]] = set()
-        # folders walked only as a root of their own
-        self.claimed: set[tuple[int, int]] = set()
+        # the file_id of each folder and file met
+        self.seen = set()
+        # those of folders counted as met until they are walked as a root
+        self.claimed = set()
         # links to a folder or file met before
         self.repeats = 0
-        # FIFOs, devices, sockets, broken links
-        self.others: list[str] = []
+        # the paths of FIFOs, devices, sockets, broken links
+        self.others = []
 
     def claim(self, folders) -> None:
         """Count folders as met (a link to one is not followed), but walk each given as a root:
         ImageFolder's split and class folders, so that no link moves a file to another class."""
-        for folder in folders:
-            st = os.stat(folder)
-            key = (st.st_dev, st.st_ino)
-            self.seen.add(key)
-            self.claimed.add(key)
+        self.claimed |= {file_id(folder) for folder in folders}
 
     def files(self, root: str | Path) -> list[str]:
         """The regular files under root not met before, sorted as paths."""
-        st = os.stat(root)
-        key = (st.st_dev, st.st_ino)
-        if key in self.claimed:
-            self.claimed.discard(key)
-            self.seen.discard(key)
+        self.claimed.discard(file_id(root))
         found = []
         walk = os.walk(root, onerror=self._unreadable, followlinks=True)
         for folder, subfolders, names in walk:
-            if not self._first(os.stat(folder)):
+            if not self._first(file_id(folder)):
                 # met before: not walked again
                 subfolders.clear()
                 continue
@@ -159,46 +162,42 @@ class Walk:
             subfolders.sort()
             for name in sorted(names):
                 path = os.path.join(folder, name)
-                if self._is_new_file(path):
+                # through links; False for a broken one
+                if not os.path.isfile(path):
+                    self.others.append(path)
+                elif self._first(file_id(path)):
                     found.append(path)
         return [str(f) for f in sorted(map(Path, found))]
 
-    def _first(self, st: os.stat_result) -> bool:
-        """Whether the folder or file of st is met for the first time (then remembered)."""
-        key = (st.st_dev, st.st_ino)
-        if key in self.seen:
+    def _first(self, key) -> bool:
+        """Whether the folder or file of key (file_id) is met for the first time (then
+        remembered)."""
+        if key in self.seen or key in self.claimed:
             self.repeats += 1
             return False
         self.seen.add(key)
         return True
 
-    def _is_new_file(self, path: str) -> bool:
-        """Whether path is a regular file (through links) met for the first time; what is no
-        regular file (or a broken link) is counted among the others."""
-        try:
-            st = os.stat(path)
-        except OSError:
-            self.others.append(path)
-            return False
-        if not stat.S_ISREG(st.st_mode):
-            self.others.append(path)
-            return False
-        return self._first(st)
-
     def _unreadable(self, error: OSError) -> None:
         """os.walk's onerror: a folder it cannot list, counted once among the others (a folder met
         before: a repeat)."""
-        if self._first(os.stat(error.filename)):
+        if self._first(file_id(error.filename)):
             self.others.append(error.filename)
 
     def warn(self, prefix: str) -> None:
         """One warning line per kind of skipped entry."""
         if self.repeats:
-            why = "link(s) to a folder or file met before skipped (each file is read once)"
-            print(f"WARNING {prefix}{self.repeats} {why}", flush=True)
+            print(
+                f"WARNING {prefix}{self.repeats} link(s) to a folder or file met before skipped"
+                " (each file is read once)",
+                flush=True,
+            )
         if self.others:
-            why = "entries that are not regular files (FIFOs, devices, broken links, ...) skipped"
-            print(f"WARNING {prefix}{len(self.others)} {why}, e.g. {self.others[0]}", flush=True)
+            print(
+                f"WARNING {prefix}{len(self.others)} entries that are not regular files (FIFOs,"
+                f" devices, broken links, ...) skipped, e.g. {self.others[0]}",
+                flush=True,
+            )
 
 
 def row_problem(line, values, nc):
@@ -218,10 +217,9 @@ def row_problem(line, values, nc):
     if cls != int(cls) or cls < 0 or (nc is not None and cls >= nc):
         limit = nc if nc is not None else "nc"
         return f"class {parts[0]} is not an integer in [0, {limit})"
-    if n == 5 and (values[3] <= 0 or values[4] <= 0):
+    if n == 5 and values[3:].min() <= 0:
         return "box with zero or negative width/height"
-    points = values[1:].reshape(-1, 2)
-    if n > 5 and len(np.unique(points, axis=0)) < 3:
+    if n > 5 and len(np.unique(values[1:].reshape(-1, 2), axis=0)) < 3:
         return "polygon with fewer than 3 distinct points"
     return None
 
@@ -245,7 +243,7 @@ def parse_labels(text: str, where: str, nc: int | None = None) -> Parsed:
         values = None
         # a value that is not a number leaves values None
         with contextlib.suppress(ValueError):
-            values = np.array([float(x) for x in parts])
+            values = np.array(parts, float)
         why = row_problem(line, values, nc)
         if why is None and tuple(values) in seen:
             why = f"duplicate of line {seen[tuple(values)]}"
@@ -264,7 +262,7 @@ def parse_labels(text: str, where: str, nc: int | None = None) -> Parsed:
             points = np.clip(points, 0, 1)
             # cx, cy, w, h
             box = xyxy2xywh(np.concatenate([points.min(0), points.max(0)]))
-            if not why and (box[2] <= 0 or box[3] <= 0):
+            if not why and box[2:].min() <= 0:
                 why = "zero width or height after clipping to [0, 1]"
         if why:
             dropped += 1
@@ -276,9 +274,10 @@ def parse_labels(text: str, where: str, nc: int | None = None) -> Parsed:
         rows.append((int(values[0]), box, points))
     if len({len(points) > 0 for _, _, points in rows}) == 2:
         msgs.append(f"{where}: mixes box rows and polygon rows; boxes are used as rectangles")
-        for k, (cls, box, points) in enumerate(rows):
-            if not len(points):
-                rows[k] = (cls, box, box_corners(xywh2xyxy(box)))
+        rows = [
+            (cls, box, points if len(points) else box_corners(xywh2xyxy(box)))
+            for cls, box, points in rows
+        ]
     return Parsed(rows=rows, msgs=msgs, dropped=dropped, fixed=fixed)
 
 
@@ -287,8 +286,7 @@ def verify(im_file: str, lb_file: str, nc: int | None = None) -> Verified:
     raises."""
 
     def bad(why):
-        msg = f"{im_file}: {why}; image skipped"
-        return Verified(status=CORRUPT, shape=(0, 0), rows=[], msgs=[msg])
+        return Verified(CORRUPT, (0, 0), [], msgs=[f"{im_file}: {why}; image skipped"])
 
     try:
         st = os.stat(im_file)
@@ -308,10 +306,8 @@ def verify(im_file: str, lb_file: str, nc: int | None = None) -> Verified:
                 w, h = h, w
             # JPEG: the whole stream is still decoded, at 1/8 scale
             im.draft("RGB", (1, 1))
-            if im.mode == "RGB":
-                im.load()
-            else:
-                im.convert("RGB")
+            # decoded (as training converts it)
+            im.convert("RGB")
     except Exception as e:
         # missing, unreadable, not an image, truncated, decompression bomb, ...
         return bad(OPEN_ERRORS.get(type(e), f"corrupt image ({type(e).__name__}: {e})"))
@@ -322,51 +318,46 @@ def verify(im_file: str, lb_file: str, nc: int | None = None) -> Verified:
     if fmt not in PIL_FORMATS.get(ext, ext.upper()).split():
         msgs.append(f"{im_file}: {fmt} data with a .{ext} extension; used as is")
     if not os.path.exists(lb_file):
-        return Verified(status=MISSING, shape=(h, w), rows=[], msgs=msgs)
+        return Verified(MISSING, (h, w), [], msgs=msgs)
     try:
         text = read_text(lb_file, MAX_LABEL_BYTES)
     except FileError as e:
         why = str(e).removeprefix(f"{lb_file}: ")
         return bad(f"label file {lb_file} unreadable ({why})")
-    parsed = parse_labels(text, lb_file, nc)
-    msgs += parsed.msgs
-    status = FOUND if parsed.rows else EMPTY
-    if parsed.dropped and not parsed.rows:
+    rows, row_msgs, dropped, fixed = parse_labels(text, lb_file, nc)
+    msgs += row_msgs
+    status = FOUND if rows else EMPTY
+    if dropped and not rows:
         msgs.append(f"{im_file}: no valid label rows in {lb_file}; image skipped")
         status = CORRUPT
-    return Verified(
-        status=status,
-        shape=(h, w),
-        rows=parsed.rows,
-        msgs=msgs,
-        dropped=parsed.dropped,
-        fixed=parsed.fixed,
-    )
+    return Verified(status, (h, w), rows, msgs=msgs, dropped=dropped, fixed=fixed)
 
 
 def _verify_all(files: list, lb_files: list, nc) -> dict:
-    """Verify every pair -> lists per file, flat tensors per row (weights_only-loadable)."""
+    """Verify every pair -> a value per file, flat tensors per row (weights_only-loadable)."""
     results = thread_map(verify, files, lb_files, [nc] * len(files))
-    status = [result.status for result in results]
-    rows = [row for result in results for row in result.rows]
+    # per file: Verified's fields
+    status, shapes, file_rows, file_msgs, dropped, fixed = zip(*results)
+    rows = [row for per_file in file_rows for row in per_file]
     polygons = [points for _, _, points in rows]
-    msgs = [msg for result in results for msg in result.msgs]
+    msgs = [msg for per_file in file_msgs for msg in per_file]
     missing = {os.path.dirname(lb) for s, lb in zip(status, lb_files) if s == MISSING}
-    background = "does not exist: its images are used as background"
-    msgs += [f"labels folder {d} {background}" for d in sorted(missing) if not os.path.isdir(d)]
+    for folder in sorted(missing):
+        if not os.path.isdir(folder):
+            msgs.append(f"labels folder {folder} does not exist: its images are used as background")
     boxes = np.array([box for _, box, _ in rows], np.float32).reshape(-1, 4)
     points = np.concatenate([*polygons, np.zeros((0, 2))]).astype(np.float32)
     return dict(
         status=status,
-        shapes=[result.shape for result in results],
-        nrows=[len(result.rows) for result in results],
+        shapes=shapes,
+        nrows=[len(per_file) for per_file in file_rows],
         cls=torch.tensor([cls for cls, _, _ in rows], dtype=torch.int64),
         boxes=torch.from_numpy(boxes),
         npts=[len(p) for p in polygons],
         pts=torch.from_numpy(points),
         msgs=msgs,
-        dropped=sum(result.dropped for result in results),
-        fixed=sum(result.fixed for result in results),
+        dropped=sum(dropped),
+        fixed=sum(fixed),
     )
 
 
@@ -386,7 +377,7 @@ def _load_or_build(files: list, nc, prefix: str, verbose: bool) -> dict:
     # absent, another format or damaged: verify again
     with contextlib.suppress(Exception):
         # a FIFO would block torch.load; weights_only: tensors, lists, numbers, strings, no code
-        if stat.S_ISREG(os.stat(path).st_mode):
+        if os.path.isfile(path):
             data = torch.load(path, weights_only=True)
             if data["key"] == key:
                 return data
@@ -430,13 +421,10 @@ def load_labels(files: list, nc: int | None = None, prefix: str = "", verbose: b
         )
     msgs = data["msgs"]
     # how many files have each status, in the order of their values
-    found, missing, empty, corrupt = np.bincount(data["status"], minlength=4).tolist()
+    counts = np.bincount(data["status"], minlength=4).tolist()
     stats = dict(
         images=len(files),
-        found=found,
-        missing=missing,
-        empty=empty,
-        corrupt=corrupt,
+        **dict(zip(["found", "missing", "empty", "corrupt"], counts)),
         # every row, as corrupt files have none
         instances=len(cls),
         dropped=data["dropped"],

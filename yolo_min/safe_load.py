@@ -62,7 +62,7 @@ def _class_names(names, model):
     elif not names:
         names = model.names
     fits = isinstance(names, list) and len(names) == model.nc
-    if not fits or not all(type(name) is str for name in names):
+    if not (fits and all(type(name) is str for name in names)):
         raise CheckpointError(f"its names are not {model.nc} class names")
     return names
 
@@ -99,12 +99,10 @@ def one_line_errors(prefix: str):
         yield
     except Exception as error:
         # Whatever a crafted file leads to (RecursionError, MemoryError, ...) ends here.
-        lines = str(error).strip().splitlines()
-        first = lines[0] if lines else ""
-        if isinstance(error, ValueError):
-            why = first
-        else:
-            why = f"{type(error).__name__}: {first}"
+        # its first line
+        why = "".join(str(error).strip().splitlines()[:1])
+        if not isinstance(error, ValueError):
+            why = f"{type(error).__name__}: {why}"
         raise CheckpointError(prefix + why[:200]) from None
 
 
@@ -121,8 +119,7 @@ def read_checked(path: str | Path):
         members = archive.infolist()
     # A zip of stored members: none inflates, so together they are no larger than the file.
     stored = all(m.compress_type == zipfile.ZIP_STORED for m in members)
-    sizes_fit = sum(m.file_size for m in members) <= len(data)
-    if not members or not stored or not sizes_fit:
+    if not (members and stored and sum(m.file_size for m in members) <= len(data)):
         raise CheckpointError(f"{path}: not a PyTorch checkpoint (a zip of stored files)")
     with one_line_errors(f"{path}: "):
         for member in members:
@@ -158,13 +155,9 @@ def check_tree(root, max_bytes: int) -> None:
         if isinstance(obj, torch.Tensor):
             total += _tensor_bytes(obj, name)
             continue
-        if isinstance(obj, dict):
-            items = obj.items()
-        else:
-            items = enumerate(obj)
+        items = obj.items() if isinstance(obj, dict) else enumerate(obj)
         above_item = (*above, id(obj))
-        for key, value in items:
-            todo.append((value, _item_name(name, key), above_item))
+        todo += [(value, _item_name(name, key), above_item) for key, value in items]
     if total > max_bytes:
         raise CheckpointError(f"its tensors hold {total} bytes, more than the file's {max_bytes}")
 
@@ -172,19 +165,19 @@ def check_tree(root, max_bytes: int) -> None:
 def _tensor_bytes(tensor, name):
     """The bytes of a tensor's elements, if it stores them all, densely, on the CPU."""
     # Any other tensor stores none of the file's data.
-    dense = tensor.layout == torch.strided and tensor.device.type == "cpu"
     stored = 0
-    if dense:
+    if tensor.layout == torch.strided and tensor.device.type == "cpu":
         stored = tensor.untyped_storage().nbytes() // tensor.element_size()
-    n_elements = tensor.numel()
-    sizes_strides = zip(tensor.shape, tensor.stride())
-    zero_stride = any(stride == 0 and size > 1 for size, stride in sizes_strides)
-    if n_elements > stored:
-        message = f"tensor '{name}' declares {n_elements} elements but stores {stored}"
-        raise CheckpointError(message)
+    zero_stride = any(
+        stride == 0 and size > 1 for size, stride in zip(tensor.shape, tensor.stride())
+    )
+    if tensor.numel() > stored:
+        raise CheckpointError(
+            f"tensor '{name}' declares {tensor.numel()} elements but stores {stored}"
+        )
     if zero_stride:
         raise CheckpointError(f"tensor '{name}' repeats its elements (a zero stride)")
-    return n_elements * tensor.element_size()
+    return tensor.nbytes
 
 
 def _item_name(name, key):
@@ -211,22 +204,20 @@ def check_tuples(pkl: bytes) -> None:
     total = 0
     mark = pickletools.markobject
     for opcode, arg, _ in pickletools.genops(pkl):
-        takes = opcode.stack_before
         if opcode.name in MEMO_PUTS:
             key = len(memo) if arg is None else arg
             memo[key] = stack[-1]
         elif opcode.name == "MARK":
             marks.append(len(stack))
         elif opcode.name in COPY_PUSHES:
-            copy = stack[-1] if arg is None else memo[arg]
-            stack.append(copy)
+            stack.append(stack[-1] if arg is None else memo[arg])
         else:
             # Pop what the opcode takes (the objects from its mark on, and those below), push
             # what it makes.
+            takes = opcode.stack_before
+            start = len(stack) - len(takes)
             if mark in takes:
                 start = marks.pop() - takes.index(mark)
-            else:
-                start = len(stack) - len(takes)
             tuples = 0
             if "TUPLE" in opcode.name:
                 tuples = 1 + sum(stack[start:])
@@ -263,8 +254,7 @@ class _Pickle:
             # Pickle protocol 2's name of the builtins.
             if module == "__builtin__":
                 module = "builtins"
-            is_getattr = (module, name) == ("builtins", "getattr")
-            if module.startswith(RECORD_MODULES) or is_getattr:
+            if module.startswith(RECORD_MODULES) or (module, name) == ("builtins", "getattr"):
                 return type(name, (_Record,), {})
             if (module, name) in SAFE_GLOBALS:
                 return super().find_class(module, name)
@@ -288,6 +278,5 @@ def _record_state_dict(root: _Record) -> dict[str, torch.Tensor]:
             # None: an absent bias, ...
             if tensor is not None and key not in non_persistent:
                 state[prefix + key] = tensor.detach()
-        for key, child in record.get("_modules", {}).items():
-            todo.append((f"{prefix}{key}.", child))
+        todo += [(f"{prefix}{key}.", child) for key, child in record.get("_modules", {}).items()]
     return state
