@@ -28,13 +28,13 @@ def match_predictions(iou: np.ndarray, conf, pred_cls, gt_cls) -> np.ndarray:
     by descending conf, each takes its class's free ground truth of top IoU >= t (ties: last)."""
     thresholds = IOU_THRESHOLDS[:, None]
     levels = np.arange(len(IOU_THRESHOLDS))
-    tp = np.zeros((len(iou), len(levels)), dtype=bool)
+    tp = np.zeros((len(iou), len(levels)), bool)
     # A prediction only matches ground truth of its class. The ground truths reversed, so that
     # argmax (the first best) finds the last best one.
     same_class = pred_cls[:, None] == gt_cls[None]
     iou = np.where(same_class, iou, -1.0)[:, ::-1]
     # Per threshold, the (reversed) ground truths not matched yet.
-    free = np.ones((len(levels), iou.shape[1]), dtype=bool)
+    free = np.ones((len(levels), iou.shape[1]), bool)
     order = np.argsort(-conf, kind="stable")
     # Only the predictions with an IoU over the lowest threshold can match anything.
     best_iou = iou[order].max(1, initial=-1.0)
