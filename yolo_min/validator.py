@@ -236,7 +236,7 @@ def check_options(options: dict) -> None:
         value = options.get(name)
         if value is None:
             continue
-        flag = "--" + name.replace("_", "-")
+        flag = f"--{name.replace('_', '-')}"
         # a bool is an int to Python, not a number to the user
         if not is_kind(value, kind):
             raise TypeError(f"{flag} {value!r:.60}: expected {kind.__name__}")
