@@ -27,40 +27,34 @@ def match_predictions(iou: np.ndarray, conf, pred_cls, gt_cls) -> np.ndarray:
     """COCO's greedy matching: iou (n, m), conf (n,), pred_cls (n,), gt_cls (m,) -> tp (n, T) bool;
     by descending conf, each takes its class's free ground truth of top IoU >= t (ties: last)."""
     thresholds = IOU_THRESHOLDS[:, None]
-    n_thresholds = len(IOU_THRESHOLDS)
-    n_gt = iou.shape[1]
-    tp = np.zeros((len(iou), n_thresholds), dtype=bool)
-    # Per threshold, the ground truths not matched yet.
-    free = np.ones((n_thresholds, n_gt), dtype=bool)
-    levels = np.arange(n_thresholds)
-    # A prediction only matches ground truth of its class.
+    levels = np.arange(len(IOU_THRESHOLDS))
+    tp = np.zeros((len(iou), len(levels)), bool)
+    # A prediction only matches ground truth of its class. The ground truths reversed, so that
+    # argmax (the first best) finds the last best one.
     same_class = pred_cls[:, None] == gt_cls[None]
-    iou = np.where(same_class, iou, -1.0)
+    iou = np.where(same_class, iou, -1.0)[:, ::-1]
+    # Per threshold, the (reversed) ground truths not matched yet.
+    free = np.ones((len(levels), iou.shape[1]), bool)
     order = np.argsort(-conf, kind="stable")
     # Only the predictions with an IoU over the lowest threshold can match anything.
     best_iou = iou[order].max(1, initial=-1.0)
     for pred in order[best_iou >= thresholds[0]]:
         pred_iou = iou[pred]
-        eligible = free & (pred_iou >= thresholds)
-        candidates = np.where(eligible, pred_iou, -1.0)
-        # Reversed, so that argmax (the first best) finds the last best ground truth.
-        candidates = candidates[:, ::-1]
+        candidates = np.where(free & (pred_iou >= thresholds), pred_iou, -1.0)
         best = candidates.argmax(1)
         hit = candidates[levels, best] >= 0
         tp[pred, hit] = True
-        free[levels[hit], n_gt - 1 - best[hit]] = False
+        free[levels[hit], best[hit]] = False
     return tp
 
 
 def image_record(index: int, conf, pred_cls, gt_cls, ious: dict) -> dict:
     """What AP needs from one image: conf (n,), pred_cls (n,), gt_cls (m,), ious {"box" and/or
     "mask": (n, m) float64} -> {"index", "conf", "cls", "gt_cls", "tp": {kind: (n, T) bool}}."""
-    conf = np.asarray(conf, dtype=np.float64).reshape(-1)
-    pred_cls = np.asarray(pred_cls, dtype=np.int64).reshape(-1)
-    gt_cls = np.asarray(gt_cls, dtype=np.int64).reshape(-1)
-    tp = {}
-    for kind, iou in ious.items():
-        tp[kind] = match_predictions(iou, conf, pred_cls, gt_cls)
+    conf = np.asarray(conf, np.float64)
+    pred_cls = np.asarray(pred_cls, np.int64)
+    gt_cls = np.asarray(gt_cls, np.int64)
+    tp = {kind: match_predictions(iou, conf, pred_cls, gt_cls) for kind, iou in ious.items()}
     return {
         "index": int(index),
         "conf": conf,
@@ -72,11 +66,8 @@ def image_record(index: int, conf, pred_cls, gt_cls, ious: dict) -> dict:
 
 def merge_records(parts: list[list[dict]]) -> list[dict]:
     """Every rank's records as one list, de-duplicated by dataset index and sorted by it."""
-    merged = {}
     # Read from the last rank's to the first's, so that the first rank's record wins.
-    for part in reversed(parts):
-        for record in part:
-            merged[record["index"]] = record
+    merged = {record["index"]: record for part in reversed(parts) for record in part}
     return [merged[index] for index in sorted(merged)]
 
 
@@ -86,7 +77,7 @@ def ap_per_class(tp: np.ndarray, conf, pred_cls, classes, n_gt) -> dict:
     n_classes = len(classes)
     ap = np.zeros((n_classes, tp.shape[1]))
     p_curve = np.zeros((n_classes, len(CONF_GRID)))
-    r_curve = np.zeros((n_classes, len(CONF_GRID)))
+    r_curve = np.zeros_like(p_curve)
     for row, (cls, n_positives) in enumerate(zip(classes, n_gt)):
         selected = np.flatnonzero(pred_cls == cls)
         # A class without detections: AP 0, P 0, R 0.
@@ -96,9 +87,12 @@ def ap_per_class(tp: np.ndarray, conf, pred_cls, classes, n_gt) -> dict:
         order = selected[np.argsort(-conf[selected], kind="mergesort")]
         tp_cumsum = np.cumsum(tp[order], 0).astype(np.float64)
         ap[row] = _average_precision(tp_cumsum, n_positives)
-        precision, recall = _pr_curves(tp_cumsum[:, 0], conf[order], n_positives)
-        p_curve[row] = precision
-        r_curve[row] = recall
+        # P and R at IoU 0.5 as step functions of the confidence threshold x: the detections
+        # with conf >= x, and the true positives among them (none above all detections).
+        n_above = np.searchsorted(-conf[order], -CONF_GRID, side="right")
+        tp_above = np.append(0.0, tp_cumsum[:, 0])[n_above]
+        p_curve[row] = np.where(n_above > 0, tp_above / np.maximum(n_above, 1), 1.0)
+        r_curve[row] = tp_above / n_positives
     f1 = 2 * p_curve * r_curve / (p_curve + r_curve + 1e-16)
     # The confidence of the best F1, averaged over the classes.
     best = int(f1.mean(0).argmax()) if n_classes else 0
@@ -118,28 +112,14 @@ def _average_precision(tp_cumsum, n_positives):
     n_seen = np.arange(1.0, len(tp_cumsum) + 1)[:, None]
     precision = tp_cumsum / (n_seen + np.spacing(1))
     # The precision envelope: the best precision at this recall or a higher one.
-    best_after = np.maximum.accumulate(precision[::-1], 0)
-    envelope = best_after[::-1]
+    envelope = np.maximum.accumulate(precision[::-1], 0)[::-1]
     # And 0 past the last recall.
     envelope = np.pad(envelope, ((0, 1), (0, 0)))
-    ap = []
-    for column in range(tp_cumsum.shape[1]):
-        # At each recall point: the envelope at the first detection reaching it.
-        reaching = np.searchsorted(recall[:, column], RECALL_POINTS)
-        ap.append(envelope[reaching, column].mean())
-    return ap
-
-
-def _pr_curves(tp_cumsum, conf, n_positives):
-    """Precision and recall (len(CONF_GRID),) at IoU 0.5 of one class as step functions of the
-    confidence threshold x (the detections with conf >= x), from its detections' cumulative true
-    positives (N,) and confidences (N,), by descending confidence."""
-    n_above = np.searchsorted(-conf, -CONF_GRID, side="right")
-    any_above = n_above > 0
-    tp_above = tp_cumsum[np.maximum(n_above - 1, 0)]
-    precision = np.where(any_above, tp_above / np.maximum(n_above, 1), 1.0)
-    recall = np.where(any_above, tp_above / n_positives, 0.0)
-    return precision, recall
+    # At each recall point: the envelope at the first detection reaching it.
+    return [
+        envelope[np.searchsorted(recall[:, t], RECALL_POINTS), t].mean()
+        for t in range(tp_cumsum.shape[1])
+    ]
 
 
 def metric_names(kinds: tuple[str, ...]) -> list[str]:
@@ -157,19 +137,19 @@ def summarize(records: list[dict], kinds: tuple[str, ...] = ("box",)) -> dict:
     gt_cls = _joined(records, "gt_cls", np.zeros(0, np.int64))
     classes, n_gt = np.unique(gt_cls, return_counts=True)
     # The number of images showing each class.
-    image_classes = [np.unique(record["gt_cls"]) for record in records]
-    present = np.concatenate([classes[:0]] + image_classes)
-    n_images = np.unique(present, return_counts=True)[1]
-    rows = []
+    present = [np.unique(record["gt_cls"]) for record in records]
+    n_images = np.unique(np.concatenate([classes[:0], *present]), return_counts=True)[1]
     counts = zip(classes.tolist(), n_images.tolist(), n_gt.tolist())
-    for cls, images, instances in counts:
-        rows.append({"class": cls, "images": images, "instances": instances})
+    rows = [
+        {"class": cls, "images": images, "instances": instances}
+        for cls, images, instances in counts
+    ]
     tp_records = [record["tp"] for record in records]
     no_tp = np.zeros((0, len(IOU_THRESHOLDS)), bool)
     metrics = {}
     for kind in kinds:
         tp = _joined(tp_records, kind, no_tp)
-        results = ap_per_class(tp, conf=conf, pred_cls=pred_cls, classes=classes, n_gt=n_gt)
+        results = ap_per_class(tp, conf, pred_cls, classes=classes, n_gt=n_gt)
         for name, values in results.items():
             key = f"{name}({SUFFIX[kind]})"
             metrics[key] = float(values.mean()) if len(classes) else 0.0
@@ -195,25 +175,22 @@ def class_records(indices, scores, labels, losses) -> list[dict]:
     -> per image {"index", "label", "top5" (the min(5, nc) best classes, best first), "loss"}."""
     scores = np.asarray(scores, np.float64)
     # Ties in the order of the classes.
-    ranked = np.argsort(-scores, 1, kind="stable")
-    top5 = ranked[:, :5]
-    records = []
-    for index, label, best, loss in zip(indices, labels, top5, losses):
-        record = {
+    top5 = np.argsort(-scores, 1, kind="stable")[:, :5]
+    return [
+        {
             "index": int(index),
             "label": int(label),
             "top5": best,
             "loss": float(loss),
         }
-        records.append(record)
-    return records
+        for index, label, best, loss in zip(indices, labels, top5, losses)
+    ]
 
 
 def summarize_classes(records: list[dict]) -> dict:
     """summarize's dict of class_records: "metrics" {"top1_acc", "top5_acc" (1 if nc < 5, as
     yolov5), "val_loss"}, "fitness" (top1_acc), "images", "per_class" (the accuracies by label)."""
-    labels = [record["label"] for record in records]
-    labels = np.array(labels, np.int64)
+    labels = np.array([record["label"] for record in records], np.int64)
     top1_hits = [record["top5"][0] == record["label"] for record in records]
     top5_hits = [record["label"] in record["top5"] for record in records]
     hits = np.stack([top1_hits, top5_hits], 1)
@@ -223,8 +200,7 @@ def summarize_classes(records: list[dict]) -> dict:
     rows = []
     for cls in np.unique(labels):
         in_class = labels == cls
-        images = int(in_class.sum())
-        row = {"class": int(cls), "images": images}
+        row = {"class": int(cls), "images": int(in_class.sum())}
         rows.append(row | _accuracy(hits[in_class]))
     return {
         "metrics": metrics,
@@ -236,18 +212,14 @@ def summarize_classes(records: list[dict]) -> dict:
 
 def _accuracy(hits):
     """Top-1 and top-5 accuracy of hits (n, 2) bool [top-1 hit, top-5 hit] (0 for none)."""
-    if len(hits) == 0:
-        return {"top1_acc": 0.0, "top5_acc": 0.0}
-    top1, top5 = hits.mean(0)
+    top1, top5 = hits.mean(0) if len(hits) else (0.0, 0.0)
     return {"top1_acc": float(top1), "top5_acc": float(top5)}
 
 
 def fitness(metrics: dict) -> float:
     """0.1 * mAP50 + 0.9 * mAP50-95, summed over boxes and (segment) masks."""
-    total = 0
-    for suffix in SUFFIX.values():
-        if f"mAP50({suffix})" in metrics:
-            map50 = metrics[f"mAP50({suffix})"]
-            map50_95 = metrics[f"mAP50-95({suffix})"]
-            total += 0.1 * map50 + 0.9 * map50_95
-    return total
+    return sum(
+        0.1 * metrics[f"mAP50({suffix})"] + 0.9 * metrics[f"mAP50-95({suffix})"]
+        for suffix in SUFFIX.values()
+        if f"mAP50({suffix})" in metrics
+    )

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 import torchvision.transforms.v2.functional as TF
+from torchvision.ops import box_convert
 
 from . import datasets, dist, metrics, ops, plots
 from .checkpoint import next_run_dir
@@ -62,12 +63,9 @@ def score_image(dataset, index: int, det, shape, input_hw, protos, cat_ids) -> d
     if cat_ids:
         stem = Path(dataset.im_files[index]).stem
         image_id = int(stem) if stem.isnumeric() else stem
-        top_left = boxes[:, :2]
-        size = boxes[:, 2:] - top_left
-        xywh = torch.cat((top_left, size), 1).cpu().tolist()
-        scores = det[:, 4].tolist()
-        classes = det[:, 5].tolist()
-        for box, score, cls in zip(xywh, scores, classes):
+        # [x, y, w, h] from the top left corner
+        xywh = box_convert(boxes, "xyxy", "xywh").tolist()
+        for box, (score, cls) in zip(xywh, det[:, 4:6].tolist()):
             result = {
                 "image_id": image_id,
                 "category_id": cat_ids[int(cls)],
@@ -85,10 +83,9 @@ def score_image(dataset, index: int, det, shape, input_hw, protos, cat_ids) -> d
         # a mask overlaps only what its grown box does: the others' IoU stays 0 (the json needs
         # every mask, though)
         wanted = (near & same).any(1) | (cat_ids is not None)
-        iou = torch.zeros(len(det), len(gt_masks), dtype=torch.float64, device=det.device)
+        iou = gt_boxes.new_zeros(len(det), len(gt_masks))
         for idx in wanted.nonzero().squeeze(1).split(MASK_CHUNK):
-            coefs = det[idx, 6:]
-            masks = ops.process_mask(protos, coefs=coefs, boxes=det[idx, :4], input_hw=input_hw)
+            masks = ops.process_mask(protos, det[idx, 6:], det[idx, :4], input_hw=input_hw)
             masks = ops.scale_masks(masks, ratio_pad, orig_hw)
             iou[idx] = ops.mask_iou(masks, gt_masks)
             if cat_ids:
@@ -96,10 +93,9 @@ def score_image(dataset, index: int, det, shape, input_hw, protos, cat_ids) -> d
                     found[i]["segmentation"] = ops.rle_encode(mask)
         ious["mask"] = iou.cpu().numpy()
     record = metrics.image_record(
-        index, conf=det[:, 4].cpu(), pred_cls=det[:, 5].cpu(), gt_cls=gt["cls"], ious=ious
+        index, det[:, 4].cpu(), det[:, 5].cpu(), gt_cls=gt["cls"], ious=ious
     )
-    record["json"] = found
-    return record
+    return record | {"json": found}
 
 
 @torch.no_grad()
@@ -130,7 +126,13 @@ def evaluate(model, loader, nms=VAL_NMS, plots_dir=None, save_json=None, coco_id
         per_image = zip(batch["indices"].tolist(), dets, batch["shapes"], protos)
         for index, det, shape, proto in per_image:
             record = score_image(
-                loader.dataset, index, det, shape, input_hw=input_hw, protos=proto, cat_ids=cat_ids
+                loader.dataset,
+                index,
+                det,
+                shape=shape,
+                input_hw=input_hw,
+                protos=proto,
+                cat_ids=cat_ids,
             )
             records.append(record)
         if plots_dir is not None and batch_index < 3 and dist.is_main():
@@ -165,12 +167,8 @@ def infer(model, images: torch.Tensor, nms: dict, amp) -> tuple:
     preprocessed = now(device)
     with torch.autocast(device.type, amp, enabled=amp is not None):
         out = model(x)
-    if nm:
-        # a segmentation model also gives each image's mask prototypes
-        preds, protos = out
-    else:
-        preds = out
-        protos = [None] * len(x)
+    # a segmentation model also gives each image's mask prototypes
+    preds, protos = out if nm else (out, [None] * len(x))
     inferred = now(device)
     # a classifier's logits, else NMS's detections
     dets = preds.float() if classify else ops.non_max_suppression(preds.float(), nm=nm, **nms)
@@ -210,7 +208,7 @@ def plot_batch(batch: dict, dets: list, protos, prefix: Path, names: list) -> No
     if protos[0] is not None:
         input_hw = images.shape[2:]
         pairs = zip(protos, preds)
-        masks = [ops.process_mask(q, p[:, 6:], p[:, :4], input_hw) for q, p in pairs]
+        masks = [ops.process_mask(q, p[:, 6:], p[:, :4], input_hw=input_hw) for q, p in pairs]
     plots.draw_later(images, preds=preds, masks=masks, fname=f"{prefix}_pred.jpg", names=names)
 
 
@@ -238,13 +236,12 @@ def check_options(options: dict) -> None:
         value = options.get(name)
         if value is None:
             continue
-        flag = "--" + name.replace("_", "-")
+        flag = f"--{name.replace('_', '-')}"
         # a bool is an int to Python, not a number to the user
         if not is_kind(value, kind):
             raise TypeError(f"{flag} {value!r:.60}: expected {kind.__name__}")
         # NaN compares false with everything: the range test written to fail for it
-        in_range = low <= value and (high is None or value <= high)
-        if not in_range:
+        if not (low <= value and (high is None or value <= high)):
             bounds = f"from {low:g} to {high:g}" if high is not None else f"at least {low:g}"
             raise ConfigError(f"{flag} {value}: must be {bounds}")
 
@@ -254,8 +251,12 @@ def base_parser(description: str, nms: dict, project: str) -> argparse.ArgumentP
     # No abbreviations: the Python API takes only whole names, and so does the command line.
     parser = argparse.ArgumentParser(description=description, allow_abbrev=False)
     parser.add_argument("--weights", required=True, help="yolo_min checkpoint or yolov5 .pt")
-    size = "long side, 32 to 8192 (rounded up to a multiple of the stride)"
-    parser.add_argument("--imgsz", type=int, default=640, help=size)
+    parser.add_argument(
+        "--imgsz",
+        type=int,
+        default=640,
+        help="long side, 32 to 8192 (rounded up to a multiple of the stride)",
+    )
     parser.add_argument("--conf-thres", type=float, default=nms["conf_thres"], help="0 to 1")
     parser.add_argument("--iou-thres", type=float, default=nms["iou_thres"], help="NMS IoU, 0 to 1")
     parser.add_argument("--max-det", type=int, default=nms["max_det"], help="per image, >= 1")
@@ -272,10 +273,14 @@ def get_args_parser() -> argparse.ArgumentParser:
     parser.add_argument("--data", required=True, help="dataset yaml, or 'shapes'")
     parser.add_argument("--batch-size", type=int, default=32, help="per rank, >= 1")
     parser.add_argument("--workers", type=int, default=4, help=">= 0")
-    parser.add_argument("--save-json", action="store_true", help="write predictions.json")
-    parser.add_argument("--coco-ids", action="store_true", help="COCO-91 ids in predictions.json")
-    parser.add_argument("--plots", action="store_true", help="save label/prediction images")
-    parser.add_argument("--verbose", action="store_true", help="per-class table")
+    switches = {
+        "--save-json": "write predictions.json",
+        "--coco-ids": "COCO-91 ids in predictions.json",
+        "--plots": "save label/prediction images",
+        "--verbose": "per-class table",
+    }
+    for flag, text in switches.items():
+        parser.add_argument(flag, action="store_true", help=text)
     return parser
 
 
@@ -300,7 +305,7 @@ def main(args: argparse.Namespace, model=None) -> dict:
         results = evaluate(
             model,
             loader,
-            nms=VAL_NMS | nms,
+            VAL_NMS | nms,
             plots_dir=save_dir if args.plots else None,
             save_json=save_dir / "predictions.json" if args.save_json else None,
             coco_ids=args.coco_ids,
