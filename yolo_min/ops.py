@@ -49,17 +49,18 @@ def non_max_suppression(
     for x in pred:
         x = x[x[:, 4] > conf_thres].float()
         scores = x[:, 5:coefs_start] * x[:, 4:5]
-        if multi_label:
-            i, j = (scores > conf_thres).nonzero().T
-        else:
-            i = torch.arange(len(x), device=x.device)
-            j = scores.argmax(1)
-        conf = scores[i, j]
-        keep = conf > conf_thres
+        pairs = scores > conf_thres
+        if not multi_label:
+            # each box's best class only
+            pairs &= F.one_hot(scores.argmax(1), scores.shape[1]).bool()
+        i, j = pairs.nonzero().T
         if classes is not None:
-            keep &= torch.isin(j, torch.tensor(classes, device=j.device))
+            wanted = torch.isin(j, torch.tensor(classes, device=j.device))
+            i = i[wanted]
+            j = j[wanted]
+        conf = scores[i, j]
         # yolov5's max_nms: the 30000 most confident pairs (only theirs are turned into rows)
-        top = keep.nonzero().squeeze(1)[conf[keep].argsort(descending=True)[:30000]]
+        top = conf.argsort(descending=True)[:30000]
         i = i[top]
         j = j[top]
         det = torch.cat(
@@ -126,12 +127,12 @@ def polygons_to_masks(polygons, hw) -> torch.Tensor:
     for i, polygon in enumerate(polygons):
         points = np.asarray(polygon, dtype=np.float64).reshape(-1, 2)
         points = np.trunc(points * 5 + 0.5).astype(np.int64)
-        if len(points) < 3:
-            continue
+        # (under 3 points, each edge is walked there and back: no pixel filled)
         u, v = walk_edges(points)
         # the walk crosses a column boundary between points j and j + 1, one step apart
         j = np.flatnonzero(np.diff(u))
-        # the column left of the boundary: a pixel's where at its centre, 5 * col + 2
+        # the 1/5-pixel column left of the boundary: it counts where it holds a pixel's centre,
+        # 5 * col + 2
         col, off_centre = np.divmod(np.minimum(u[j], u[j + 1]) - 2, 5)
         # the row below the crossing, in pixels
         top = np.minimum(v[j], v[j + 1])

@@ -62,13 +62,7 @@ def draw_batch(images, targets=None, masks=None, *, fname, names=None, preds=Non
             )
             instance_masks = resized[0].bool()
         cell = draw_detections(
-            image,
-            boxes,
-            cls,
-            conf=conf,
-            names=names,
-            masks=instance_masks,
-            width=line_width,
+            image, boxes, cls, conf=conf, names=names, masks=instance_masks, width=line_width
         )
         cells.append(cell)
     per_row = math.ceil(math.sqrt(len(images)))
