@@ -133,10 +133,12 @@ def polygons_to_masks(polygons, hw) -> torch.Tensor:
         j = np.flatnonzero(np.diff(u))
         # the 1/5-pixel column left of the boundary: it counts where it holds a pixel's centre,
         # 5 * col + 2
-        col, off_centre = np.divmod(np.minimum(u[j], u[j + 1]) - 2, 5)
+        left = np.minimum(u[j], u[j + 1])
+        col, off_centre = np.divmod(left - 2, 5)
         # the row below the crossing, in pixels
         top = np.minimum(v[j], v[j + 1])
-        row = np.ceil(np.clip((top + 0.5) / 5 - 0.5, 0, h)).astype(np.int64)
+        row = np.clip((top + 0.5) / 5 - 0.5, 0, h)
+        row = np.ceil(row).astype(np.int64)
         keep = (off_centre == 0) & (col >= 0) & (col < w)
         if not keep.any():
             continue
