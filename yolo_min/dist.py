@@ -37,8 +37,9 @@ def select_device(device: str) -> torch.device:
     try:
         return torch.device(name)
     except RuntimeError:
-        why = "not a device (cpu, cuda, 0, cuda:1, 0,1, ...)"
-        raise ValueError(f"--device {given}: {why}") from None
+        raise ValueError(
+            f"--device {given}: not a device (cpu, cuda, 0, cuda:1, 0,1, ...)"
+        ) from None
 
 
 def listed_gpus(device: str, local_rank: int, local_world_size: int, world_size: int) -> str:
@@ -51,25 +52,29 @@ def listed_gpus(device: str, local_rank: int, local_world_size: int, world_size:
         script = "your_script.py"
         if sys.argv[0].endswith(".py"):
             script = " ".join(sys.argv)
-        command = f"torchrun --standalone --nproc_per_node {len(ids)} {script}"
-        raise ValueError(f"--device {device}: one process per GPU, started by torchrun: {command}")
+        raise ValueError(
+            f"--device {device}: one process per GPU, started by torchrun: "
+            f"torchrun --standalone --nproc_per_node {len(ids)} {script}"
+        )
     if len(ids) != local_world_size:
-        ranks = f"torchrun started {local_world_size} processes on this node"
-        raise ValueError(f"--device {device} lists {len(ids)} GPUs, but {ranks}")
+        raise ValueError(
+            f"--device {device} lists {len(ids)} GPUs, "
+            f"but torchrun started {local_world_size} processes on this node"
+        )
     return ids[local_rank]
 
 
-def _environ_int(name: str, default: str) -> int:
+def _environ_int(name: str, default: int = 0) -> int:
     """The integer in the environment variable name (torchrun's), default when it is unset."""
     return int(os.environ.get(name, default))
 
 
 def setup(device: str) -> DistInfo:
     """This process's DistInfo from torchrun's environment (none: one process) and process group."""
-    rank = _environ_int("RANK", "0")
-    local_rank = _environ_int("LOCAL_RANK", "0")
-    world_size = _environ_int("WORLD_SIZE", "1")
-    local_size = _environ_int("LOCAL_WORLD_SIZE", "1")
+    rank = env_rank()
+    local_rank = _environ_int("LOCAL_RANK")
+    world_size = _environ_int("WORLD_SIZE", 1)
+    local_size = _environ_int("LOCAL_WORLD_SIZE", 1)
     listed = "," in str(device)
     if listed:
         device = listed_gpus(
@@ -83,8 +88,10 @@ def setup(device: str) -> DistInfo:
         n_gpus = torch.cuda.device_count()
         # Every rank stops; rank 0's message is the one shown.
         if n_gpus < local_size:
-            why = f"torchrun started {local_size} processes on a node with {n_gpus} GPU(s)"
-            raise ValueError(f"{why}: --nproc_per_node {n_gpus}, or --device cpu")
+            raise ValueError(
+                f"torchrun started {local_size} processes on a node with {n_gpus} GPU(s): "
+                f"--nproc_per_node {n_gpus}, or --device cpu"
+            )
         if not listed:
             # Under torchrun each rank owns one GPU: its local rank's, unless listed.
             chosen = torch.device("cuda", local_rank)
@@ -92,12 +99,7 @@ def setup(device: str) -> DistInfo:
     if world_size > 1 and not dist.is_initialized():
         backend = "nccl" if chosen.type == "cuda" else "gloo"
         _init_process_group(rank, world_size, backend)
-    return DistInfo(
-        rank=rank,
-        world_size=world_size,
-        local_world_size=local_size,
-        device=chosen,
-    )
+    return DistInfo(rank, world_size, local_size, device=chosen)
 
 
 def _init_process_group(rank, world_size, backend):
@@ -153,10 +155,9 @@ def all_gather_object(obj) -> list:
 
 def broadcast_tensors(tensors) -> None:
     """Overwrite each tensor in place with rank 0's (e.g. a model's state_dict values)."""
-    if not _active():
-        return
-    for tensor in tensors:
-        dist.broadcast(tensor, 0)
+    if _active():
+        for tensor in tensors:
+            dist.broadcast(tensor, 0)
 
 
 def reduce_mean(tensor: torch.Tensor) -> torch.Tensor:
@@ -188,7 +189,7 @@ def run_on_main(fn, *args):
 @contextlib.contextmanager
 def main_first():
     """The body on each node's local rank 0 first (e.g. to build a cache), then on the others."""
-    first = _environ_int("LOCAL_RANK", "0") == 0
+    first = _environ_int("LOCAL_RANK") == 0
     if not first:
         barrier()
     try:
@@ -201,7 +202,7 @@ def main_first():
 
 def env_rank() -> int:
     """This process's rank as torchrun set it (0 without torchrun), with or without a group."""
-    return _environ_int("RANK", "0")
+    return _environ_int("RANK")
 
 
 def print0(*args, **kwargs) -> None:

@@ -8,9 +8,6 @@ import torch
 import torch.nn.functional as F
 import torchvision
 
-# an xyxy box's corners [x1, y1], [x2, y1], [x2, y2], [x1, y2]: clockwise from the top-left
-CORNER_INDICES = [0, 1, 2, 1, 2, 3, 0, 3]
-
 
 def xywh2xyxy(x: torch.Tensor | np.ndarray) -> torch.Tensor | np.ndarray:
     """(..., 4) [cx, cy, w, h] -> [x1, y1, x2, y2], a tensor or a numpy array like x."""
@@ -32,7 +29,8 @@ def xyxy2xywh(x: torch.Tensor | np.ndarray) -> torch.Tensor | np.ndarray:
 
 def box_corners(xyxy: np.ndarray) -> np.ndarray:
     """(..., 4) xyxy boxes -> (..., 4, 2) corners [x, y] clockwise from the top-left, dtype kept."""
-    corners = xyxy[..., CORNER_INDICES]
+    # [x1, y1], [x2, y1], [x2, y2], [x1, y2]
+    corners = xyxy[..., [0, 1, 2, 1, 2, 3, 0, 3]]
     return corners.reshape(*xyxy.shape[:-1], 4, 2)
 
 
@@ -46,26 +44,29 @@ def non_max_suppression(
     """yolov5's NMS: pred (bs, N, 5+nc+nm) [cx, cy, w, h, obj, class probs, coefs] -> per image
     (n, 6+nm) [x1, y1, x2, y2, conf = obj * prob, cls, coefs] by descending conf. multi_label: all
     (box, class) pairs over conf_thres; classes: only these; agnostic: one NMS for all classes."""
-    nc = pred.shape[2] - 5 - nm
+    coefs_start = pred.shape[2] - nm
     out = []
     for x in pred:
         x = x[x[:, 4] > conf_thres].float()
-        scores = x[:, 5 : 5 + nc] * x[:, 4:5]
-        if multi_label:
-            i, j = (scores > conf_thres).nonzero().T
-        else:
-            i, j = torch.arange(len(x), device=x.device), scores.argmax(1)
-        conf = scores[i, j]
-        keep = conf > conf_thres
+        scores = x[:, 5:coefs_start] * x[:, 4:5]
+        pairs = scores > conf_thres
+        if not multi_label:
+            # each box's best class only
+            pairs &= F.one_hot(scores.argmax(1), scores.shape[1]).bool()
+        i, j = pairs.nonzero().T
         if classes is not None:
-            keep &= torch.isin(j, torch.tensor(classes, device=j.device))
+            wanted = torch.isin(j, torch.tensor(classes, device=j.device))
+            i = i[wanted]
+            j = j[wanted]
+        conf = scores[i, j]
         # yolov5's max_nms: the 30000 most confident pairs (only theirs are turned into rows)
-        top = keep.nonzero().squeeze(1)[conf[keep].argsort(descending=True)[:30000]]
-        i, j = i[top], j[top]
+        top = conf.argsort(descending=True)[:30000]
+        i = i[top]
+        j = j[top]
         det = torch.cat(
-            (xywh2xyxy(x[i, :4]), scores[i, j, None], j[:, None].float(), x[i, 5 + nc :]), 1
+            (xywh2xyxy(x[i, :4]), conf[top, None], j[:, None].float(), x[i, coefs_start:]), 1
         )
-        groups = torch.zeros_like(det[:, 5]) if agnostic else det[:, 5]
+        groups = torch.zeros_like(j) if agnostic else j
         keep = torchvision.ops.batched_nms(det[:, :4], det[:, 4], groups, iou_thres)
         out.append(det[keep[:max_det]])
     return out
@@ -84,16 +85,15 @@ def scale_boxes(boxes: torch.Tensor, ratio_pad, orig_hw) -> torch.Tensor:
 def process_mask(protos, coefs, boxes, input_hw) -> torch.Tensor:
     """protos (nm, h, w), coefs (n, nm), boxes (n, 4) xyxy input pixels -> (n, H, W) bool masks."""
     # yolov5's process_mask(upsample=True): sigmoid(coefs @ protos), cropped, upsampled, > 0.5
-    nm, h, w = protos.shape
-    logits = coefs.float() @ protos.float().view(nm, -1)
+    h, w = protos.shape[1:]
+    logits = coefs.float() @ protos.float().flatten(1)
     masks = logits.sigmoid().view(-1, 1, h, w)
     input_h, input_w = input_hw
     scale = boxes.new_tensor([w / input_w, h / input_h] * 2)
     # the boxes in prototype pixels, each coordinate (n, 1, 1, 1)
-    corners = (boxes * scale)[:, :, None, None, None]
-    x1, y1, x2, y2 = corners.unbind(1)
-    rows = torch.arange(h, device=masks.device, dtype=boxes.dtype)[:, None]
-    cols = torch.arange(w, device=masks.device, dtype=boxes.dtype)
+    x1, y1, x2, y2 = (boxes * scale).T[..., None, None, None]
+    rows = torch.arange(h).to(boxes)[:, None]
+    cols = torch.arange(w).to(boxes)
     in_rows = (rows >= y1) & (rows < y2)
     in_cols = (cols >= x1) & (cols < x2)
     masks = masks * in_rows * in_cols
@@ -127,26 +127,24 @@ def polygons_to_masks(polygons, hw) -> torch.Tensor:
     for i, polygon in enumerate(polygons):
         points = np.asarray(polygon, dtype=np.float64).reshape(-1, 2)
         points = np.trunc(points * 5 + 0.5).astype(np.int64)
-        if len(points) < 3:
-            continue
+        # (under 3 points, each edge is walked there and back: no pixel filled)
         u, v = walk_edges(points)
-        # the walk crosses a column boundary between points j - 1 and j
-        j = np.flatnonzero(u[1:] != u[:-1]) + 1
-        before = u[j - 1]
-        after = u[j]
-        # the column left of the boundary, and the row below the crossing, in pixels
-        left = np.where(after < before, after, after - 1)
-        col = (left + 0.5) / 5 - 0.5
-        top = np.minimum(v[j], v[j - 1])
+        # the walk crosses a column boundary between points j and j + 1, one step apart
+        j = np.flatnonzero(np.diff(u))
+        # the 1/5-pixel column left of the boundary: it counts where it holds a pixel's centre,
+        # 5 * col + 2
+        left = np.minimum(u[j], u[j + 1])
+        col, off_centre = np.divmod(left - 2, 5)
+        # the row below the crossing, in pixels
+        top = np.minimum(v[j], v[j + 1])
         row = np.clip((top + 0.5) / 5 - 0.5, 0, h)
-        row = np.ceil(row)
-        on_pixel = np.floor(col) == col
-        keep = on_pixel & (col >= 0) & (col <= w - 1)
+        row = np.ceil(row).astype(np.int64)
+        keep = (off_centre == 0) & (col >= 0) & (col < w)
         if not keep.any():
             continue
         # toggles in column-major order, parity fills; columns lo..hi only
-        col = col[keep].astype(np.int64)
-        row = row[keep].astype(np.int64)
+        col = col[keep]
+        row = row[keep]
         lo = col.min()
         hi = col.max() + 1
         # row h: below the image; its toggles are dropped
@@ -160,30 +158,28 @@ def polygons_to_masks(polygons, hw) -> torch.Tensor:
 def walk_edges(points: np.ndarray):
     """A closed polygon's (k, 2) int64 vertices [x, y] in 1/5 pixels -> the x and y of the points
     pycocotools walks along its edges: one step along each edge's longer axis, the other rounded."""
-    start_x, start_y = points.T
-    end_x, end_y = np.roll(points, -1, axis=0).T
-    length_x = np.abs(end_x - start_x)
-    length_y = np.abs(end_y - start_y)
-    along_x = length_x >= length_y
-    # round from the lower end, walk the edge's way
-    flip = np.where(along_x, start_x > end_x, start_y > end_y)
-    x0 = np.where(flip, end_x, start_x)
-    y0 = np.where(flip, end_y, start_y)
-    x1 = np.where(flip, start_x, end_x)
-    y1 = np.where(flip, start_y, end_y)
-    steps = np.maximum(length_x, length_y)
-    slope = np.where(along_x, y1 - y0, x1 - x0) / np.maximum(steps, 1)
-    # each walked point's edge, and its step from the edge's lower end
+    ends = np.roll(points, -1, axis=0)
+    lengths = np.abs(ends - points)
+    # each edge's axes, its longer one (x on a tie) first
+    axes = np.where(lengths[:, :1] >= lengths[:, 1:], [0, 1], [1, 0])
+    start_major, start_minor = np.take_along_axis(points, axes, 1).T
+    end_major, end_minor = np.take_along_axis(ends, axes, 1).T
+    # one step along the longer axis, -1 or 1; rounded from the end lower on that axis
+    direction = np.where(start_major > end_major, -1, 1)
+    low_major = np.minimum(start_major, end_major)
+    low_minor = np.where(direction < 0, end_minor, start_minor)
+    steps = lengths.max(1)
+    slope = direction * (end_minor - start_minor) / np.maximum(steps, 1)
+    # each walked point's edge, and its step from the edge's start
     edge = np.repeat(np.arange(len(points)), steps + 1)
     first = np.cumsum(steps + 1) - steps - 1
     step = np.arange(len(edge)) - first[edge]
-    t = np.where(flip[edge], steps[edge] - step, step)
-    minor_start = np.where(along_x, y0, x0)[edge]
-    minor = np.trunc(minor_start + slope[edge] * t + 0.5).astype(np.int64)
-    major = np.where(along_x, x0, y0)[edge] + t
-    u = np.where(along_x[edge], major, minor)
-    v = np.where(along_x[edge], minor, major)
-    return u, v
+    major = start_major[edge] + direction[edge] * step
+    t = major - low_major[edge]
+    minor = np.trunc(low_minor[edge] + slope[edge] * t + 0.5).astype(np.int64)
+    # back to [x, y]: swapping the axes again undoes the swap
+    walked = np.stack([major, minor], 1)
+    return np.take_along_axis(walked, axes[edge], 1).T
 
 
 def trace_border(m: np.ndarray, start: int) -> tuple[np.ndarray, np.ndarray]:
@@ -206,7 +202,7 @@ def trace_border(m: np.ndarray, start: int) -> tuple[np.ndarray, np.ndarray]:
         if step is None or (path and path[0] == (pixel, step)):
             break
         path.append((pixel, step))
-        pixel = pixel + steps[step]
+        pixel += steps[step]
         # the next search starts from the last background neighbour seen
         direction = (step + 6 - step % 2) % 8
     points, dirs = np.array(path or [(start, 0)]).T
@@ -266,13 +262,12 @@ def rle_encode(mask: torch.Tensor | np.ndarray) -> dict:
     for i, x in enumerate(counts):
         # a delta against the last run of the same value
         if i > 2:
-            x = x - counts[i - 2]
+            x -= counts[i - 2]
         # 5 bits per char, bit 0x20: more follow, offset 48
         more = True
         while more:
             bits = x & 0x1F
-            x = x >> 5
+            x >>= 5
             more = x != -1 if bits & 0x10 else x != 0
             chars.append(chr(bits + 0x20 * more + 48))
-    size = list(mask.shape)
-    return {"size": size, "counts": "".join(chars)}
+    return {"size": list(mask.shape), "counts": "".join(chars)}

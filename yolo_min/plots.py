@@ -6,10 +6,10 @@ import math
 import threading
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image, ImageDraw, ImageFont
+from torchvision.transforms.functional import pil_to_tensor, to_pil_image
 from torchvision.utils import draw_bounding_boxes, draw_segmentation_masks, make_grid
 
 from .ops import xywh2xyxy
@@ -33,31 +33,41 @@ def draw_batch(images, targets=None, masks=None, *, fname, names=None, preds=Non
     """Write a grid of up to MAX_IMAGES images, uint8 (bs,3,H,W), to fname -> its path. Labels:
     targets (N,6) [image, cls, cx, cy, w, h] normalised, masks (bs,h,w) overlap index maps; or
     preds per image (n,6+) [x1, y1, x2, y2, conf, cls] input px, masks per image (n,h,w) bool."""
-    batch_size, _, height, width = images.shape
-    n_images = min(batch_size, MAX_IMAGES)
+    images = images[:MAX_IMAGES].cpu()
+    height, width = images.shape[2:]
     line_width = max(1, round(width / 320))
     cells = []
-    for i in range(n_images):
+    for i, image in enumerate(images):
+        conf = None
         if preds is not None:
-            boxes, cls, conf = _predictions(preds[i])
+            pred = preds[i].detach().float().cpu()
+            boxes = pred[:, :4]
+            cls = pred[:, 5].long().tolist()
+            conf = pred[:, 4].tolist()
         else:
-            boxes, cls, conf = _targets(targets, i, (width, height))
+            mine = targets[targets[:, 0] == i].float().cpu()
+            # (W, H, W, H): the boxes' centres and sizes to pixels
+            scale = torch.tensor([width, height] * 2)
+            boxes = xywh2xyxy(mine[:, 2:6] * scale)
+            cls = mine[:, 1].long().tolist()
         instance_masks = None
         if masks is not None and cls:
-            instance_masks = _instance_masks(masks[i].cpu(), len(cls), (height, width))
+            instance_masks = masks[i].cpu()
+            # an overlap index map (h, w), k where the k-th target is, to bool (n, h, w)
+            if instance_masks.ndim == 2:
+                numbers = torch.arange(1, len(cls) + 1)[:, None, None]
+                instance_masks = instance_masks == numbers
+            resized = F.interpolate(
+                instance_masks[None].float(), size=(height, width), mode="nearest"
+            )
+            instance_masks = resized[0].bool()
         cell = draw_detections(
-            images[i].cpu(),
-            boxes,
-            cls,
-            conf=conf,
-            names=names,
-            masks=instance_masks,
-            width=line_width,
+            image, boxes, cls, conf=conf, names=names, masks=instance_masks, width=line_width
         )
         cells.append(cell)
-    per_row = math.ceil(math.sqrt(n_images))
+    per_row = math.ceil(math.sqrt(len(images)))
     grid = make_grid(cells, nrow=per_row, padding=PAD, pad_value=255)
-    picture = _to_picture(grid)
+    picture = to_pil_image(grid)
     # thumbnail only ever shrinks.
     picture.thumbnail((MAX_SIZE, MAX_SIZE), Image.Resampling.BILINEAR)
     path = Path(fname)
@@ -86,35 +96,6 @@ def finish_drawing() -> None:
         DRAWING.pop().join()
 
 
-def _predictions(pred):
-    """One image's predictions (n,6+) -> boxes (n,4) xyxy px, classes [int], confidences [float]."""
-    pred = pred.detach().float().cpu()
-    boxes = pred[:, :4]
-    cls = pred[:, 5].long().tolist()
-    conf = pred[:, 4].tolist()
-    return boxes, cls, conf
-
-
-def _targets(targets, i, image_wh):
-    """Image i's targets of a batch's (N,6) [image, cls, cx, cy, w, h] normalised, for an image of
-    image_wh (W, H) px -> boxes (n,4) xyxy px, classes [int], None (no confidences)."""
-    mine = targets[targets[:, 0] == i].float().cpu()
-    # (W, H, W, H): the boxes' centres and sizes to pixels
-    scale = torch.tensor(image_wh * 2)
-    boxes = xywh2xyxy(mine[:, 2:6] * scale)
-    cls = mine[:, 1].long().tolist()
-    return boxes, cls, None
-
-
-def _instance_masks(masks, n, image_hw):
-    """One image's n masks as bool (n,H,W) at its size image_hw (H, W), from an overlap index map
-    (h,w) (k: the k-th target) or from bool masks (n,h,w)."""
-    if masks.ndim == 2:
-        masks = masks == torch.arange(1, n + 1)[:, None, None]
-    resized = F.interpolate(masks[None].float(), size=image_hw, mode="nearest")
-    return resized[0].bool()
-
-
 def draw_detections(image, boxes, cls, conf=None, names=None, masks=None, width=1, labels=True):
     """uint8 (3,H,W) image with bool masks (n,H,W) blended in and boxes (n,4) xyxy px drawn in the
     colours of classes cls, labelled "name conf" ("name" if conf is None, nothing unless labels)."""
@@ -136,28 +117,20 @@ def draw_detections(image, boxes, cls, conf=None, names=None, masks=None, width=
 def draw_labels(image: torch.Tensor, boxes, text: list[str], colors: list[str]) -> torch.Tensor:
     """Each box's text, white on a tab of its colour above the box's top-left corner (inside the
     box where the image ends), in a font that scales with the image: uint8 (3,H,W) -> the same."""
-    picture = _to_picture(image)
+    picture = to_pil_image(image)
     draw = ImageDraw.Draw(picture)
     font = label_font(sum(picture.size) / 2)
     for box, label, color in zip(boxes.tolist(), text, colors):
         left, top, right, bottom = draw.textbbox((0, 0), label, font=font)
         # The tab holds the text and a 1 px margin.
-        x = box[0]
-        y = box[1] - (bottom - top) - 2
-        if y < 0:
-            y = box[1]
-        tab_right = x + right - left + 2
-        tab_bottom = y + bottom - top + 2
-        draw.rectangle((x, y, tab_right, tab_bottom), fill=color)
+        x, y = box[:2]
+        tab_height = bottom - top + 2
+        if y >= tab_height:
+            y -= tab_height
+        draw.rectangle((x, y, x + right - left + 2, y + tab_height), fill=color)
         origin = (x + 1 - left, y + 1 - top)
         draw.text(origin, label, fill="white", font=font)
-    pixels = np.array(picture)
-    return torch.from_numpy(pixels).permute(2, 0, 1)
-
-
-def _to_picture(image):
-    """A uint8 (3,H,W) tensor as a PIL image."""
-    return Image.fromarray(image.permute(1, 2, 0).numpy())
+    return pil_to_tensor(picture)
 
 
 def label_font(image_size: float) -> ImageFont.ImageFont:

@@ -3,6 +3,7 @@ triangles (a band of hues per class) on noise, with polygon labels. "shapes-cls"
 
 from __future__ import annotations
 
+import colorsys
 import math
 import os
 import shutil
@@ -27,8 +28,7 @@ def make_image(rng: np.random.Generator, size: int = SIZE) -> tuple[Image.Image,
     """One RGB image (size x size) and its labels [(cls, polygon (k,2) float [x, y] in pixels)]."""
     # A muted, low-frequency colour field as the background.
     grid = rng.integers(70, 170, (4, 4, 3), dtype=np.uint8)
-    image = Image.fromarray(grid)
-    image = image.resize((size, size), Image.Resampling.BICUBIC)
+    image = Image.fromarray(grid).resize((size, size), Image.Resampling.BICUBIC)
     draw = ImageDraw.Draw(image)
     placed = []
     labels = []
@@ -38,11 +38,12 @@ def make_image(rng: np.random.Generator, size: int = SIZE) -> tuple[Image.Image,
             continue
         placed.append(spot)
         kind = int(rng.integers(3))
-        centre, radius = spot
-        polygon = _shape_polygon(rng, kind, centre, radius)
-        colour = _class_colour(rng, kind)
+        polygon = _shape_polygon(rng, kind, spot)
+        # A random hue of the class's band, at full saturation and value.
+        hue = (kind / 3 + rng.uniform(-HUE_SPREAD, HUE_SPREAD)) % 1
+        colour = tuple(int(255 * c) for c in colorsys.hsv_to_rgb(hue, 1, 1))
         # PIL's polygon vertices are pixel centres, ours pixel corners.
-        vertices = [tuple(point) for point in polygon - 0.5]
+        vertices = (polygon - 0.5).ravel().tolist()
         draw.polygon(vertices, fill=colour)
         labels.append((kind, polygon))
     noise = rng.normal(0, 4, (size, size, 3))
@@ -57,18 +58,15 @@ def _free_spot(rng, size, placed):
     for _ in range(30):
         radius = rng.uniform(0.12, 0.25) * size
         centre = rng.uniform(radius + 2, size - radius - 2, 2)
-        clear = [
-            np.hypot(*(centre - other_centre)) > radius + other_radius + 4
-            for other_centre, other_radius in placed
-        ]
-        if all(clear):
+        if all(np.hypot(*(centre - c)) > radius + r + 4 for c, r in placed):
             return centre, radius
     return None
 
 
-def _shape_polygon(rng, kind, centre, radius):
+def _shape_polygon(rng, kind, spot):
     """The polygon (k,2) [x, y] in pixels of a shape of class kind, randomly turned, within the
-    circle of centre and radius."""
+    circle spot (centre, radius)."""
+    centre, radius = spot
     turn = rng.uniform(0, 2 * math.pi)
     # The vertices are on the circle, but for a triangle's.
     radii = radius
@@ -89,17 +87,6 @@ def _shape_polygon(rng, kind, centre, radius):
     return centre + np.stack([x, y], 1)
 
 
-def _class_colour(rng, kind):
-    """A random (r, g, b) colour of class kind's band of hues, at full saturation and value."""
-    hue = (kind / 3 + rng.uniform(-HUE_SPREAD, HUE_SPREAD)) % 1
-    rgb = []
-    # Each channel is a clipped triangle wave of the hue, the three a third of a turn apart.
-    for offset in (0, 2 / 3, 1 / 3):
-        ramp = abs(6 * ((hue + offset) % 1) - 3) - 1
-        rgb.append(int(255 * min(1, max(0, ramp))))
-    return tuple(rgb)
-
-
 def generate(root: Path, n_train=N_TRAIN, n_val=N_VAL, size=SIZE, seed=0) -> None:
     """Write images/{train,val}/*.jpg, labels/{train,val}/*.txt and shapes.yaml under root."""
     rng = np.random.default_rng(seed)
@@ -111,24 +98,20 @@ def generate(root: Path, n_train=N_TRAIN, n_val=N_VAL, size=SIZE, seed=0) -> Non
         for i in range(count):
             image, labels = make_image(rng, size)
             image.save(image_dir / f"{i:06d}.jpg", quality=92)
-            lines = [_label_line(kind, polygon / size) for kind, polygon in labels]
+            # A YOLO polygon label a line: the class, then each point's normalised x y.
+            lines = []
+            for kind, polygon in labels:
+                values = " ".join(f"{v:.6f}" for v in polygon.ravel() / size)
+                lines.append(f"{kind} {values}\n")
             (label_dir / f"{i:06d}.txt").write_text("".join(lines))
-    names = ", ".join(NAMES)
     config = (
         f"# yolo_min synthetic shapes v{VERSION}\n"
         "path: .\n"
         "train: images/train\n"
         "val: images/val\n"
-        f"names: [{names}]\n"
+        f"names: [{', '.join(NAMES)}]\n"
     )
     (root / "shapes.yaml").write_text(config)
-
-
-def _label_line(kind, polygon):
-    """A YOLO polygon label line of class kind and polygon (k,2) [x, y] normalised: the class,
-    then each point's x y, with a newline."""
-    values = [f"{v:.6f}" for v in polygon.ravel()]
-    return " ".join([str(kind), *values]) + "\n"
 
 
 def generate_cls(root: Path, n_train=N_CLS_TRAIN, n_val=N_CLS_VAL, seed=1) -> None:
@@ -143,9 +126,8 @@ def generate_cls(root: Path, n_train=N_CLS_TRAIN, n_val=N_CLS_VAL, seed=1) -> No
             # A square about the shape's centre, its side 1.2 times the shape's longer side.
             centre = (polygon.min(0) + polygon.max(0)) / 2
             half = 0.6 * np.ptp(polygon, 0).max()
-            corners = [*(centre - half), *(centre + half)]
-            box = np.clip(corners, 0, SIZE)
-            crop = image.crop(tuple(box.tolist()))
+            box = np.clip(np.concatenate([centre - half, centre + half]), 0, SIZE)
+            crop = image.crop(box.tolist())
             crop.save(root / split / NAMES[kind] / f"{i:06d}.jpg", quality=92)
 
 
