@@ -92,7 +92,9 @@ def main():
     print(f"{head} {'model-only img/s (cpu ms/img)':>30} {'vs detect.py wall':>18}")
     for imgsz in args.sizes:
         inputs = {}
-        for s in map(partial(predictor.read, imgsz=imgsz, stride=32), enumerate(files)):
+        for s in map(
+            partial(predictor.read, imgsz=imgsz, stride=32, classify=False), enumerate(files)
+        ):
             inputs.setdefault(tuple(s["input"].shape), []).append(s["input"])
         for batch, workers in ((1, 0), (args.batch, args.workers)):
             runs = []
