@@ -393,7 +393,8 @@ class ClassifyDataset(ImageFolder):
     stretched to the square, for cls_augment's crops; else the centre square resized.
     cache "ram": the images in RAM as samples; "auto": if this node's processes need < 10%."""
 
-    task, rect = "classify", False
+    task = "classify"
+    rect = False
 
     def __init__(
         self,
@@ -410,7 +411,8 @@ class ClassifyDataset(ImageFolder):
         self.transform = v2.Compose([*steps, v2.Resize((imgsz, imgsz)), v2.PILToTensor()])
         checks = thread_map(lambda s: verify(s[0], ""), self.samples)  # no label file
         self.samples = [s for s, c in zip(self.samples, checks) if c.status != CORRUPT]
-        self.imgs, self.targets = self.samples, [k for _, k in self.samples]
+        self.imgs = self.samples
+        self.targets = [k for _, k in self.samples]
         self.stats = dict(images=len(checks), corrupt=len(checks) - len(self.samples))
         if verbose:
             self.walk.warn(prefix)

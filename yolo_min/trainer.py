@@ -314,7 +314,9 @@ def build_loaders(args, hyp: dict, model: Model, data: dict, info) -> tuple:
 
 def build_optimizer(model: nn.Module, lr: float, momentum: float, decay: float, name="SGD"):
     """Nesterov SGD (Adam: beta1 = momentum); groups: biases, BatchNorm weights (no decay), rest."""
-    biases, norm_weights, weights = [], [], []
+    biases = []
+    norm_weights = []
+    weights = []
     for module in model.modules():
         norm = isinstance(module, (nn.BatchNorm2d, nn.SyncBatchNorm))
         for kind, p in module.named_parameters(recurse=False):
