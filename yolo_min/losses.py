@@ -47,25 +47,28 @@ def bbox_ciou(box1: Tensor, box2: Tensor, eps: float = 1e-7) -> Tensor:
     """Complete IoU (n,) of paired xywh boxes box1, box2 (n, 4), as yolov5's."""
     # CIoU = IoU - centre distance^2 / enclosing diagonal^2 - alpha * v, where v measures the
     # difference in aspect ratio; alpha is a constant for the gradient, as in yolov5.
-    xy1, wh1 = box1.split(2, -1)
-    xy2, wh2 = box2.split(2, -1)
-    # Each box's corners: (left, top) and (right, bottom).
-    low1 = xy1 - wh1 / 2
-    high1 = xy1 + wh1 / 2
-    low2 = xy2 - wh2 / 2
-    high2 = xy2 + wh2 / 2
-    inter_wh = torch.minimum(high1, high2) - torch.maximum(low1, low2)
-    inter_w, inter_h = inter_wh.clamp(0).unbind(-1)
-    inter = inter_w * inter_h
-    w1, h1 = wh1.unbind(-1)
-    w2, h2 = wh2.unbind(-1)
+    x1, y1, w1, h1 = box1.unbind(-1)
+    x2, y2, w2, h2 = box2.unbind(-1)
+    left1 = x1 - w1 / 2
+    right1 = x1 + w1 / 2
+    top1 = y1 - h1 / 2
+    bottom1 = y1 + h1 / 2
+    left2 = x2 - w2 / 2
+    right2 = x2 + w2 / 2
+    top2 = y2 - h2 / 2
+    bottom2 = y2 + h2 / 2
+    inter_w = torch.minimum(right1, right2) - torch.maximum(left1, left2)
+    inter_h = torch.minimum(bottom1, bottom2) - torch.maximum(top1, top2)
+    inter = inter_w.clamp(0) * inter_h.clamp(0)
     iou = inter / (w1 * h1 + w2 * h2 - inter + eps)
     # The squared diagonal of the smallest box enclosing both.
-    enclosing_wh = torch.maximum(high1, high2) - torch.minimum(low1, low2)
-    diagonal2 = (enclosing_wh**2).sum(-1) + eps
+    enclosing_w = torch.maximum(right1, right2) - torch.minimum(left1, left2)
+    enclosing_h = torch.maximum(bottom1, bottom2) - torch.minimum(top1, top2)
+    diagonal2 = enclosing_w**2 + enclosing_h**2 + eps
     # The squared distance of the centres, from the edges as yolov5 computes it.
-    twice_distance = low2 + high2 - low1 - high1
-    distance2 = (twice_distance**2).sum(-1) / 4
+    twice_dx = left2 + right2 - left1 - right1
+    twice_dy = top2 + bottom2 - top1 - bottom1
+    distance2 = (twice_dx**2 + twice_dy**2) / 4
     angle_difference = torch.atan(w2 / h2) - torch.atan(w1 / h1)
     v = (4 / math.pi**2) * angle_difference**2
     with torch.no_grad():
@@ -98,12 +101,11 @@ class Assignment(NamedTuple):
 
 
 class MaskPositives(NamedTuple):
-    """What a mask loss reads of n positives: group (n,) their (level, image) group, level * bs +
-    image; image (n,) their image; coefs (n, nm) their predicted mask coefficients; mask_value
-    (n,) their target's value in the image's overlap mask (see mask_values); box (n, 4) their
-    target's xywh, normalised."""
+    """What a mask loss reads of the n positives of one level: image (n,) their image, coefs
+    (n, nm) their predicted mask coefficients, mask_value (n,) their target's value in the image's
+    overlap mask (see mask_values), box (n, 4) their target's xywh, normalised."""
 
-    group: Tensor
+    level: int
     image: Tensor
     coefs: Tensor
     mask_value: Tensor
@@ -117,18 +119,6 @@ def mask_values(images: Tensor, batch_size: int) -> Tensor:
     return (onehot.cumsum(0) * onehot).sum(1)
 
 
-def _in_box(box: Tensor, mask_h: int, mask_w: int) -> Tensor:
-    """(n, mask_h, mask_w) True at the mask pixels inside the boxes (n, 4), xywh normalised."""
-    rows = torch.arange(mask_h, device=box.device).view(-1, 1)
-    cols = torch.arange(mask_w, device=box.device)
-    # A pixel is in the box when x1 <= column < x2 and y1 <= row < y2, in mask pixels.
-    pixel_box = box * box.new_tensor([mask_w, mask_h, mask_w, mask_h])
-    x, y, w, h = pixel_box.view(-1, 4, 1, 1).unbind(1)
-    in_columns = (cols >= x - w / 2) & (cols < x + w / 2)
-    in_rows = (rows >= y - h / 2) & (rows < y + h / 2)
-    return in_columns & in_rows
-
-
 def mask_loss(levels: list, protos: Tensor, masks: Tensor) -> Tensor:
     """yolov5's mask loss, plainly: summed over levels and images, the mean over the image's
     positives at that level of the BCE-with-logits of the predicted mask (coefs @ protos) against
@@ -137,6 +127,8 @@ def mask_loss(levels: list, protos: Tensor, masks: Tensor) -> Tensor:
     levels: MaskPositives per level with positives; protos: (bs, nm, mh, mw); masks: (bs, mh, mw)
     overlap index maps (see mask_values)."""
     _, _, mask_h, mask_w = protos.shape
+    rows = torch.arange(mask_h, device=protos.device).view(-1, 1)
+    cols = torch.arange(mask_w, device=protos.device)
     total = protos.new_zeros(())
     for level in levels:
         for image in level.image.unique().tolist():
@@ -147,10 +139,28 @@ def mask_loss(levels: list, protos: Tensor, masks: Tensor) -> Tensor:
             value = level.mask_value[mine].view(-1, 1, 1)
             target_mask = (masks[image] == value).float()
             bce = F.binary_cross_entropy_with_logits(logits, target_mask, reduction="none")
-            per_positive = (bce * _in_box(box, mask_h, mask_w)).mean((1, 2))
+            # A pixel is in the box when x1 <= column < x2 and y1 <= row < y2, in mask pixels.
+            pixel_box = box * box.new_tensor([mask_w, mask_h, mask_w, mask_h])
+            x, y, w, h = pixel_box.view(-1, 4, 1, 1).unbind(1)
+            in_columns = (cols >= x - w / 2) & (cols < x + w / 2)
+            in_rows = (rows >= y - h / 2) & (rows < y + h / 2)
+            per_positive = (bce * (in_columns & in_rows)).mean((1, 2))
             area = box[:, 2:].prod(1)
             total = total + (per_positive / area).mean()
     return total
+
+
+def _runs(lengths: Tensor) -> tuple[Tensor, Tensor]:
+    """Runs of the given lengths (r,) laid end to end: each element's run, and its place in it."""
+    run = torch.repeat_interleave(lengths)
+    run_start = lengths.cumsum(0) - lengths
+    element = torch.arange(len(run), device=lengths.device)
+    return run, element - run_start[run]
+
+
+def _pixel_at_or_after(coordinate: Tensor, size: int) -> Tensor:
+    """The first pixel index >= coordinate (in pixels), clamped to [0, size]."""
+    return coordinate.ceil().clamp(0, size).long()
 
 
 def mask_loss_fast(levels: list, protos: Tensor, masks: Tensor) -> Tensor:
@@ -164,40 +174,67 @@ def mask_loss_fast(levels: list, protos: Tensor, masks: Tensor) -> Tensor:
 
     A box is a small part of the map: the loss lists its pixels as (positive, pixel) pairs and
     takes the BCE at those only, with one matmul per image for the positives of every level."""
-    batch_size, _, mask_h, mask_w = protos.shape
-    # The positives of every level, ordered by image (stably) for the matmuls per image.
-    positives = MaskPositives._make(map(torch.cat, zip(*levels)))
-    order = torch.argsort(positives.image, stable=True)
-    positives = MaskPositives._make(field[order] for field in positives)
-    in_box = _in_box(positives.box, mask_h, mask_w).flatten(1)
-    pair_positive, pair_pixel = in_box.nonzero(as_tuple=True)
-    # When no box holds a pixel, the loss is 0, with no graph to the protos.
-    if not len(pair_positive):
-        return positives.box.new_zeros(())
-    pair_image = positives.image[pair_positive]
-    positives_per_image = torch.bincount(positives.image, minlength=batch_size)
+    batch_size, num_masks, mask_h, mask_w = protos.shape
+    pixels_per_map = mask_h * mask_w
+    image = torch.cat([level.image for level in levels])
+    order = torch.argsort(image, stable=True)
+    image = image[order]
+    # Each positive belongs to a (level, image) group; the loss sums the groups' means.
+    groups = [level.level * batch_size + level.image for level in levels]
+    group = torch.cat(groups)[order]
+    coefs = torch.cat([level.coefs for level in levels])[order]
+    mask_value = torch.cat([level.mask_value for level in levels])[order]
+    box = torch.cat([level.box for level in levels])[order]
+    # The box in mask pixels. Column c is in it iff x1 <= c < x2, that is iff
+    # ceil(x1) <= c < ceil(x2), with x1 = x - w / 2; likewise the rows.
+    pixel_scale = box.new_tensor([mask_w, mask_h, mask_w, mask_h])
+    x, y, w, h = (box * pixel_scale).unbind(1)
+    col_start = _pixel_at_or_after(x - w / 2, mask_w)
+    col_end = _pixel_at_or_after(x + w / 2, mask_w)
+    row_start = _pixel_at_or_after(y - h / 2, mask_h)
+    row_end = _pixel_at_or_after(y + h / 2, mask_h)
+    box_w = (col_end - col_start).clamp(min=0)
+    box_h = (row_end - row_start).clamp(min=0)
+    positives_per_image = torch.bincount(image, minlength=batch_size)
     first_positive = positives_per_image.cumsum(0) - positives_per_image
-    # A pair's row in its image's logits (positives, pixels).
-    pair_row = pair_positive - first_positive[pair_image]
-    pairs_per_image = torch.bincount(pair_image, minlength=batch_size).tolist()
+    pairs_per_image = torch.zeros_like(first_positive).index_add(0, image, box_w * box_h)
+    pairs_per_image = pairs_per_image.tolist()
+    # When no box holds a pixel, the loss is 0, with no graph to the protos.
+    if not sum(pairs_per_image):
+        return box.new_zeros(())
+    # A run is one row of a box's pixels: the pairs are built run by run, in few passes over them.
+    run_positive, row_in_box = _runs(box_h)
+    run_pixel = (row_start[run_positive] + row_in_box) * mask_w + col_start[run_positive]
+    pair_run, column_in_run = _runs(box_w[run_positive])
+    pair_positive = run_positive[pair_run]
+    # logit_index and mask_index are the pairs' places in their image's (positives, pixels)
+    # logits and in the masks.
+    run_image = image[run_positive]
+    run_logit = (run_positive - first_positive[run_image]) * pixels_per_map + run_pixel
+    logit_index = run_logit[pair_run] + column_in_run
+    run_mask = run_image * pixels_per_map + run_pixel
+    mask_index = run_mask[pair_run] + column_in_run
     # The protos are unbound per image so that autograd runs one backward for all images.
     per_image = zip(
-        positives.coefs.split(positives_per_image.tolist()),
-        protos.flatten(2).unbind(0),
-        pair_row.split(pairs_per_image),
-        pair_pixel.split(pairs_per_image),
+        coefs.split(positives_per_image.tolist()),
+        protos.view(batch_size, num_masks, -1).unbind(0),
+        logit_index.split(pairs_per_image),
     )
-    logits = [(coefs @ maps)[rows, pixels] for coefs, maps, rows, pixels in per_image]
+    logits = []
+    for image_coefs, image_protos, index in per_image:
+        if len(index):
+            logits.append((image_coefs @ image_protos).view(-1)[index])
     logits = torch.cat(logits)
-    in_mask = masks.flatten(1)[pair_image, pair_pixel] == positives.mask_value[pair_positive]
+    in_mask = masks.reshape(-1)[mask_index] == mask_value[pair_positive]
     in_mask = in_mask.to(protos.dtype)
     per_pair = F.binary_cross_entropy_with_logits(logits, in_mask, reduction="none")
     # A positive's loss is the sum over its pairs / the map's pixels / the normalised box area.
-    per_positive = positives.box.new_zeros(len(in_box))
+    per_positive = box.new_zeros(len(box))
     per_positive = per_positive.index_add(0, pair_positive, per_pair.float())
-    per_positive = per_positive / (mask_h * mask_w) / positives.box[:, 2:].prod(1)
-    counts = torch.bincount(positives.group)
-    total = per_positive.new_zeros(len(counts)).index_add(0, positives.group, per_positive)
+    per_positive = per_positive / pixels_per_map / box[:, 2:].prod(1)
+    num_groups = (levels[-1].level + 1) * batch_size
+    total = per_positive.new_zeros(num_groups).index_add(0, group, per_positive)
+    counts = torch.bincount(group, minlength=num_groups)
     has_positives = counts > 0
     return (total[has_positives] / counts[has_positives]).sum()
 
@@ -215,12 +252,15 @@ class YOLOLoss:
     def __init__(self, model: nn.Module, hyp: dict, world_size: int = 1):
         # The head's anchors are read at each call: AutoAnchor may change them.
         self.head = de_parallel(model).head
+        self.nl = self.head.nl
         self.nc = self.head.nc
         self.nm = self.head.nm
         self.hyp = dict(hyp)
         self.world_size = world_size
         # The objectness loss weighs the levels, from the finest.
-        self.balance = {3: [4.0, 1.0, 0.4]}.get(self.head.nl, [4.0, 1.0, 0.25, 0.06, 0.02])
+        self.balance = [4.0, 1.0, 0.4]
+        if self.nl != 3:
+            self.balance = [4.0, 1.0, 0.25, 0.06, 0.02][: self.nl]
         device = next(model.parameters()).device
         self.cls_pw = torch.tensor([hyp["cls_pw"]], device=device)
         self.obj_pw = torch.tensor([hyp["obj_pw"]], device=device)
@@ -255,13 +295,14 @@ class YOLOLoss:
         kept = worst < self.hyp["anchor_t"]
         anchor, target = kept.nonzero(as_tuple=True)
         xy = grid_xywh[target, :2]
-        # The centre's distances (n, 4) to the left, upper, right and lower borders of the map.
-        distances = torch.cat((xy, gain[:2] - xy), 1)
-        near = (distances % 1 < 0.5) & (distances > 1)
+        # xy_inverse is the centre's distance to the right and lower borders.
+        xy_inverse = gain[:2] - xy
+        near_low = (xy % 1 < 0.5) & (xy > 1)
+        near_high = (xy_inverse % 1 < 0.5) & (xy_inverse > 1)
         # use (5, n) marks the cells a pair is assigned to: its own, and the neighbours near its
         # centre.
-        own = torch.ones_like(near[:, :1])
-        use = torch.cat((own, near), 1).T
+        own = torch.ones_like(near_low[:, :1])
+        use = torch.cat((own, near_low, near_high), 1).T
         offset, pair = use.nonzero(as_tuple=True)
         anchor = anchor[pair]
         target = target[pair]
@@ -288,8 +329,10 @@ class YOLOLoss:
             maps, protos = preds
             if masks is None:
                 raise ValueError("YOLOLoss: a segmentation model needs masks (bs, H/4, W/4)")
-            # The masks at the protos' size (nearest: a float copy when the sizes match).
-            masks = F.interpolate(masks[None].float(), protos.shape[-2:], mode="nearest")[0]
+            # The masks at the protos' size (nearest).
+            size = protos.shape[-2:]
+            if masks.shape[-2:] != size:
+                masks = F.interpolate(masks[None].float(), size, mode="nearest")[0]
         if targets.ndim != 2 or targets.shape[1] != 6:
             shape = tuple(targets.shape)
             raise ValueError(f"YOLOLoss: targets must be (N, 6) [img, cls, xywh], not {shape}")
@@ -307,25 +350,22 @@ class YOLOLoss:
         for level, level_map in enumerate(maps):
             _, _, ny, nx, _ = level_map.shape
             positives = self._assign(level, targets, ny, nx)
-            # Contiguous (bs, na, ny, nx), also when the maps are not (channels_last).
-            obj_target = torch.zeros(level_map.shape[:4], dtype=level_map.dtype, device=device)
+            cells = level_map.shape[:4]
+            obj_target = torch.zeros(cells, dtype=level_map.dtype, device=device)
             if len(positives.image):
                 pred = level_map[positives.cells]
-                # The predicted boxes (n, 4), grid xywh, xy from the cell's corner.
-                xy = pred[:, :2].sigmoid() * 2 - 0.5
-                wh = (pred[:, 2:4].sigmoid() * 2) ** 2 * positives.anchor_wh
-                iou = bbox_ciou(torch.cat((xy, wh), 1), positives.target_box)
+                pred_box = self._pred_boxes(pred, positives.anchor_wh)
+                iou = bbox_ciou(pred_box, positives.target_box)
                 box_loss += (1.0 - iou).mean()
                 self._set_obj_target(obj_target, positives, iou)
                 # A single class needs no classifier: objectness covers it.
                 if self.nc > 1:
-                    classes = targets[positives.target, 1].long()
-                    onehot = F.one_hot(classes, self.nc).bool()
-                    class_target = torch.where(onehot, self.class_positive, self.class_negative)
-                    cls_loss += self._bce(pred[:, 5 : 5 + self.nc], class_target, self.cls_pw)
+                    class_logits = pred[:, 5 : 5 + self.nc]
+                    classes = targets[positives.target, 1]
+                    cls_loss += self._class_loss(class_logits, classes)
                 if self.nm:
                     mask_positives = MaskPositives(
-                        group=level * batch_size + positives.image,
+                        level=level,
                         image=positives.image,
                         coefs=pred[:, 5 + self.nc :],
                         mask_value=target_mask_values[positives.target],
@@ -347,18 +387,33 @@ class YOLOLoss:
         return loss, {name: value.detach()[0] for name, value in items.items()}
 
     @staticmethod
+    def _pred_boxes(pred: Tensor, anchor_wh: Tensor) -> Tensor:
+        """(n, 4) grid xywh of the positives' predictions (n, no), xy from the cell's corner."""
+        xy = pred[:, :2].sigmoid() * 2 - 0.5
+        wh = (pred[:, 2:4].sigmoid() * 2) ** 2 * anchor_wh
+        return torch.cat((xy, wh), 1)
+
+    @staticmethod
     def _set_obj_target(obj_target: Tensor, positives: Assignment, iou: Tensor) -> None:
         """Write the positives' detached IoU (n,) into obj_target (bs, na, ny, nx), in place."""
         # Several positives may share a cell: the last in assignment order wins (what yolov5's
         # index assignment does), made explicit here so that it is deterministic on every device:
         # all of them write the last one's IoU.
-        cells = torch.arange(obj_target.numel(), device=obj_target.device)
-        cell = cells.view_as(obj_target)[positives.cells]
+        _, num_anchors, ny, nx = obj_target.shape
+        cell = (positives.image * num_anchors + positives.anchor) * ny + positives.grid_y
+        cell = cell * nx + positives.grid_x
         order = torch.arange(len(cell), device=cell.device)
         last = cell.new_full((obj_target.numel(),), -1)
         last.scatter_reduce_(0, cell, order, "amax")
         iou_target = iou.detach().clamp(0).to(obj_target.dtype)
         obj_target.view(-1)[cell] = iou_target[last[cell]]
+
+    def _class_loss(self, logits: Tensor, classes: Tensor) -> Tensor:
+        """BCE of the positives' class logits (n, nc) against their classes (n,), smoothed."""
+        target = torch.full_like(logits, self.class_negative)
+        positives = torch.arange(len(logits), device=logits.device)
+        target[positives, classes.long()] = self.class_positive
+        return self._bce(logits, target, self.cls_pw)
 
 
 class ClassifyLoss(nn.CrossEntropyLoss):
