@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .models import de_parallel
+from .ops import xywh2xyxy
 
 # Neighbour-cell offsets (x, y), subtracted from a centre: its own cell, left, up, right, down. A
 # kept pair is also assigned to the left/up (right/down) cell when its centre lies in the
@@ -101,11 +102,12 @@ class Assignment(NamedTuple):
 
 
 class MaskPositives(NamedTuple):
-    """What a mask loss reads of the n positives of one level: image (n,) their image, coefs
-    (n, nm) their predicted mask coefficients, mask_value (n,) their target's value in the image's
-    overlap mask (see mask_values), box (n, 4) their target's xywh, normalised."""
+    """What a mask loss reads of the n positives of one level: group (n,) their (level, image)
+    group, level * bs + image, image (n,) their image, coefs (n, nm) their predicted mask
+    coefficients, mask_value (n,) their target's value in the image's overlap mask (see
+    mask_values), box (n, 4) their target's xywh, normalised."""
 
-    level: int
+    group: Tensor
     image: Tensor
     coefs: Tensor
     mask_value: Tensor
@@ -140,10 +142,10 @@ def mask_loss(levels: list, protos: Tensor, masks: Tensor) -> Tensor:
             target_mask = (masks[image] == value).float()
             bce = F.binary_cross_entropy_with_logits(logits, target_mask, reduction="none")
             # A pixel is in the box when x1 <= column < x2 and y1 <= row < y2, in mask pixels.
-            pixel_box = box * box.new_tensor([mask_w, mask_h, mask_w, mask_h])
-            x, y, w, h = pixel_box.view(-1, 4, 1, 1).unbind(1)
-            in_columns = (cols >= x - w / 2) & (cols < x + w / 2)
-            in_rows = (rows >= y - h / 2) & (rows < y + h / 2)
+            pixel_box = xywh2xyxy(box * box.new_tensor([mask_w, mask_h, mask_w, mask_h]))
+            x1, y1, x2, y2 = pixel_box.view(-1, 4, 1, 1).unbind(1)
+            in_columns = (cols >= x1) & (cols < x2)
+            in_rows = (rows >= y1) & (rows < y2)
             per_positive = (bce * (in_columns & in_rows)).mean((1, 2))
             area = box[:, 2:].prod(1)
             total = total + (per_positive / area).mean()
@@ -156,11 +158,6 @@ def _runs(lengths: Tensor) -> tuple[Tensor, Tensor]:
     run_start = lengths.cumsum(0) - lengths
     element = torch.arange(len(run), device=lengths.device)
     return run, element - run_start[run]
-
-
-def _pixel_at_or_after(coordinate: Tensor, size: int) -> Tensor:
-    """The first pixel index >= coordinate (in pixels), clamped to [0, size]."""
-    return coordinate.ceil().clamp(0, size).long()
 
 
 def mask_loss_fast(levels: list, protos: Tensor, masks: Tensor) -> Tensor:
@@ -176,23 +173,15 @@ def mask_loss_fast(levels: list, protos: Tensor, masks: Tensor) -> Tensor:
     takes the BCE at those only, with one matmul per image for the positives of every level."""
     batch_size, num_masks, mask_h, mask_w = protos.shape
     pixels_per_map = mask_h * mask_w
-    image = torch.cat([level.image for level in levels])
-    order = torch.argsort(image, stable=True)
-    image = image[order]
-    # Each positive belongs to a (level, image) group; the loss sums the groups' means.
-    groups = [level.level * batch_size + level.image for level in levels]
-    group = torch.cat(groups)[order]
-    coefs = torch.cat([level.coefs for level in levels])[order]
-    mask_value = torch.cat([level.mask_value for level in levels])[order]
-    box = torch.cat([level.box for level in levels])[order]
+    # Every level's positives, grouped by image (in order within one).
+    joined = MaskPositives(*map(torch.cat, zip(*levels)))
+    order = torch.argsort(joined.image, stable=True)
+    group, image, coefs, mask_value, box = (field[order] for field in joined)
     # The box in mask pixels. Column c is in it iff x1 <= c < x2, that is iff
     # ceil(x1) <= c < ceil(x2), with x1 = x - w / 2; likewise the rows.
     pixel_scale = box.new_tensor([mask_w, mask_h, mask_w, mask_h])
-    x, y, w, h = (box * pixel_scale).unbind(1)
-    col_start = _pixel_at_or_after(x - w / 2, mask_w)
-    col_end = _pixel_at_or_after(x + w / 2, mask_w)
-    row_start = _pixel_at_or_after(y - h / 2, mask_h)
-    row_end = _pixel_at_or_after(y + h / 2, mask_h)
+    corners = xywh2xyxy(box * pixel_scale).ceil()
+    col_start, row_start, col_end, row_end = corners.clamp(min=0).minimum(pixel_scale).long().T
     box_w = (col_end - col_start).clamp(min=0)
     box_h = (row_end - row_start).clamp(min=0)
     positives_per_image = torch.bincount(image, minlength=batch_size)
@@ -229,12 +218,11 @@ def mask_loss_fast(levels: list, protos: Tensor, masks: Tensor) -> Tensor:
     in_mask = in_mask.to(protos.dtype)
     per_pair = F.binary_cross_entropy_with_logits(logits, in_mask, reduction="none")
     # A positive's loss is the sum over its pairs / the map's pixels / the normalised box area.
-    per_positive = box.new_zeros(len(box))
-    per_positive = per_positive.index_add(0, pair_positive, per_pair.float())
+    per_positive = box.new_zeros(len(box)).index_add(0, pair_positive, per_pair.float())
     per_positive = per_positive / pixels_per_map / box[:, 2:].prod(1)
-    num_groups = (levels[-1].level + 1) * batch_size
-    total = per_positive.new_zeros(num_groups).index_add(0, group, per_positive)
-    counts = torch.bincount(group, minlength=num_groups)
+    # The loss sums the (level, image) groups' means.
+    counts = torch.bincount(group)
+    total = per_positive.new_zeros(len(counts)).index_add(0, group, per_positive)
     has_positives = counts > 0
     return (total[has_positives] / counts[has_positives]).sum()
 
@@ -295,14 +283,13 @@ class YOLOLoss:
         kept = worst < self.hyp["anchor_t"]
         anchor, target = kept.nonzero(as_tuple=True)
         xy = grid_xywh[target, :2]
-        # xy_inverse is the centre's distance to the right and lower borders.
-        xy_inverse = gain[:2] - xy
-        near_low = (xy % 1 < 0.5) & (xy > 1)
-        near_high = (xy_inverse % 1 < 0.5) & (xy_inverse > 1)
+        # The centre's distances to the left, upper, right and lower borders.
+        distances = torch.cat((xy, gain[:2] - xy), 1)
+        near = (distances % 1 < 0.5) & (distances > 1)
         # use (5, n) marks the cells a pair is assigned to: its own, and the neighbours near its
         # centre.
-        own = torch.ones_like(near_low[:, :1])
-        use = torch.cat((own, near_low, near_high), 1).T
+        own = torch.ones_like(near[:, :1])
+        use = torch.cat((own, near), 1).T
         offset, pair = use.nonzero(as_tuple=True)
         anchor = anchor[pair]
         target = target[pair]
@@ -311,13 +298,12 @@ class YOLOLoss:
         offsets = _OFFSETS.to(xy.device)[offset]
         last_cell = gain[:2].long() - 1
         cell = (xy - offsets).long().clamp(min=0).minimum(last_cell)
-        target_wh = grid_xywh[target, 2:]
         return Assignment(
             image=targets[target, 0].long(),
             anchor=anchor,
             grid_y=cell[:, 1],
             grid_x=cell[:, 0],
-            target_box=torch.cat((xy - cell, target_wh), 1),
+            target_box=torch.cat((xy - cell, grid_xywh[target, 2:]), 1),
             anchor_wh=anchors[anchor],
             target=target,
             box_normalised=(grid_xywh / gain)[target],
@@ -348,8 +334,7 @@ class YOLOLoss:
         # found holds the MaskPositives of each level with positives.
         found = []
         for level, level_map in enumerate(maps):
-            _, _, ny, nx, _ = level_map.shape
-            positives = self._assign(level, targets, ny, nx)
+            positives = self._assign(level, targets, *level_map.shape[2:4])
             cells = level_map.shape[:4]
             obj_target = torch.zeros(cells, dtype=level_map.dtype, device=device)
             if len(positives.image):
@@ -365,7 +350,7 @@ class YOLOLoss:
                     cls_loss += self._class_loss(class_logits, classes)
                 if self.nm:
                     mask_positives = MaskPositives(
-                        level=level,
+                        group=level * batch_size + positives.image,
                         image=positives.image,
                         coefs=pred[:, 5 + self.nc :],
                         mask_value=target_mask_values[positives.target],

@@ -59,8 +59,7 @@ class C3(nn.Module):
         self.cv1 = Conv(in_channels, hidden)
         self.cv2 = Conv(in_channels, hidden)
         self.cv3 = Conv(2 * hidden, out_channels)
-        blocks = (Bottleneck(hidden, shortcut) for _ in range(repeats))
-        self.m = nn.Sequential(*blocks)
+        self.m = nn.Sequential(*(Bottleneck(hidden, shortcut) for _ in range(repeats)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bottlenecks = self.m(self.cv1(x))
@@ -148,14 +147,12 @@ class Detect(nn.Module):
     def _decode(self, x: torch.Tensor, level: int) -> torch.Tensor:
         """Level `level`'s raw map (bs, na, ny, nx, no) -> (bs, na * ny * nx, no) decoded."""
         _, _, ny, nx, _ = x.shape
-        cols, rows = torch.meshgrid(torch.arange(nx), torch.arange(ny), indexing="xy")
         # grid (ny, nx, 2) holds each cell's [x, y].
-        grid = torch.stack((cols, rows), 2)
+        grid = torch.stack(torch.meshgrid(torch.arange(nx), torch.arange(ny), indexing="xy"), 2)
         stride = self.stride[level]
         # The anchors (na, 1, 1, 2) in input pixels.
         anchors_px = (self.anchors[level] * stride)[:, None, None].to(x)
-        channels = (2, 2, self.nc + 1, self.nm)
-        xy, wh, scores, coefs = x.split(channels, 4)
+        xy, wh, scores, coefs = x.split((2, 2, self.nc + 1, self.nm), 4)
         offset = grid.to(x) - 0.5
         xy = (xy.sigmoid() * 2 + offset) * stride
         wh = (wh.sigmoid() * 2) ** 2 * anchors_px
