@@ -136,8 +136,7 @@ def mask_loss(levels: list, protos: Tensor, masks: Tensor) -> Tensor:
         for image in level.image.unique().tolist():
             mine = level.image == image
             box = level.box[mine]
-            logits = level.coefs[mine] @ protos[image].flatten(1)
-            logits = logits.view(-1, mask_h, mask_w)
+            logits = (level.coefs[mine] @ protos[image].flatten(1)).view(-1, mask_h, mask_w)
             value = level.mask_value[mine].view(-1, 1, 1)
             target_mask = (masks[image] == value).float()
             bce = F.binary_cross_entropy_with_logits(logits, target_mask, reduction="none")
@@ -186,8 +185,7 @@ def mask_loss_fast(levels: list, protos: Tensor, masks: Tensor) -> Tensor:
     box_h = (row_end - row_start).clamp(min=0)
     positives_per_image = torch.bincount(image, minlength=batch_size)
     first_positive = positives_per_image.cumsum(0) - positives_per_image
-    pairs_per_image = torch.zeros_like(first_positive).index_add(0, image, box_w * box_h)
-    pairs_per_image = pairs_per_image.tolist()
+    pairs_per_image = torch.zeros_like(first_positive).index_add(0, image, box_w * box_h).tolist()
     # When no box holds a pixel, the loss is 0, with no graph to the protos.
     if not sum(pairs_per_image):
         return box.new_zeros(())
@@ -214,8 +212,7 @@ def mask_loss_fast(levels: list, protos: Tensor, masks: Tensor) -> Tensor:
         if len(index):
             logits.append((image_coefs @ image_protos).view(-1)[index])
     logits = torch.cat(logits)
-    in_mask = masks.reshape(-1)[mask_index] == mask_value[pair_positive]
-    in_mask = in_mask.to(protos.dtype)
+    in_mask = (masks.reshape(-1)[mask_index] == mask_value[pair_positive]).to(protos.dtype)
     per_pair = F.binary_cross_entropy_with_logits(logits, in_mask, reduction="none")
     # A positive's loss is the sum over its pairs / the map's pixels / the normalised box area.
     per_positive = box.new_zeros(len(box)).index_add(0, pair_positive, per_pair.float())
@@ -261,8 +258,9 @@ class YOLOLoss:
 
     def _bce(self, logits: Tensor, target: Tensor, pos_weight: Tensor) -> Tensor:
         """Mean BCE-with-logits; with fl_gamma > 0 yolov5's focal form (alpha 0.25)."""
-        bce = F.binary_cross_entropy_with_logits
-        loss = bce(logits, target, pos_weight=pos_weight, reduction="none")
+        loss = F.binary_cross_entropy_with_logits(
+            logits, target, pos_weight=pos_weight, reduction="none"
+        )
         gamma = self.hyp.get("fl_gamma", 0.0)
         if gamma > 0:
             prob = logits.sigmoid()
@@ -279,8 +277,7 @@ class YOLOLoss:
         grid_xywh = targets[:, 2:6] * gain
         # An (anchor, target) pair is kept when neither w nor h differ by more than anchor_t.
         ratio = grid_xywh[None, :, 2:4] / anchors[:, None]
-        worst = torch.max(ratio, 1 / ratio).amax(2)
-        kept = worst < self.hyp["anchor_t"]
+        kept = torch.max(ratio, 1 / ratio).amax(2) < self.hyp["anchor_t"]
         anchor, target = kept.nonzero(as_tuple=True)
         xy = grid_xywh[target, :2]
         # The centre's distances to the left, upper, right and lower borders.
@@ -345,9 +342,8 @@ class YOLOLoss:
                 self._set_obj_target(obj_target, positives, iou)
                 # A single class needs no classifier: objectness covers it.
                 if self.nc > 1:
-                    class_logits = pred[:, 5 : 5 + self.nc]
                     classes = targets[positives.target, 1]
-                    cls_loss += self._class_loss(class_logits, classes)
+                    cls_loss += self._class_loss(pred[:, 5 : 5 + self.nc], classes)
                 if self.nm:
                     mask_positives = MaskPositives(
                         group=level * batch_size + positives.image,
@@ -357,11 +353,9 @@ class YOLOLoss:
                         box=positives.box_normalised,
                     )
                     found.append(mask_positives)
-            level_obj_loss = self._bce(level_map[..., 4], obj_target, self.obj_pw)
-            obj_loss += level_obj_loss * self.balance[level]
+            obj_loss += self._bce(level_map[..., 4], obj_target, self.obj_pw) * self.balance[level]
         if found:
-            mask_loss_sum = self.mask_loss(found, protos, masks)
-            seg_loss += mask_loss_sum * self.hyp["box"] / batch_size
+            seg_loss += self.mask_loss(found, protos, masks) * self.hyp["box"] / batch_size
         items = {"box": box_loss * self.hyp["box"]}
         if self.nm:
             items["seg"] = seg_loss
@@ -379,7 +373,7 @@ class YOLOLoss:
         return torch.cat((xy, wh), 1)
 
     @staticmethod
-    def _set_obj_target(obj_target: Tensor, positives: Assignment, iou: Tensor) -> None:
+    def _set_obj_target(obj_target: Tensor, positives: Assignment, iou: Tensor):
         """Write the positives' detached IoU (n,) into obj_target (bs, na, ny, nx), in place."""
         # Several positives may share a cell: the last in assignment order wins (what yolov5's
         # index assignment does), made explicit here so that it is deterministic on every device:

@@ -44,7 +44,7 @@ class Bottleneck(nn.Module):
         self.cv2 = Conv(channels, channels, kernel_size=3)
         self.add = shortcut
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x):
         y = self.cv2(self.cv1(x))
         return x + y if self.add else y
 
@@ -61,7 +61,7 @@ class C3(nn.Module):
         self.cv3 = Conv(2 * hidden, out_channels)
         self.m = nn.Sequential(*(Bottleneck(hidden, shortcut) for _ in range(repeats)))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x):
         bottlenecks = self.m(self.cv1(x))
         shortcut = self.cv2(x)
         return self.cv3(torch.cat((bottlenecks, shortcut), 1))
@@ -77,7 +77,7 @@ class SPPF(nn.Module):
         self.cv2 = Conv(hidden * 4, out_channels)
         self.m = nn.MaxPool2d(kernel_size=kernel_size, stride=1, padding=kernel_size // 2)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x):
         pooled = [self.cv1(x)]
         for _ in range(3):
             pooled.append(self.m(pooled[-1]))
@@ -87,7 +87,7 @@ class SPPF(nn.Module):
 class Concat(nn.Module):
     """Concatenate a list of maps along the channels (the config's argument: dimension 1)."""
 
-    def forward(self, x: list[torch.Tensor]) -> torch.Tensor:
+    def forward(self, x):
         return torch.cat(x, 1)
 
 
@@ -127,7 +127,7 @@ class Detect(nn.Module):
         self.m = nn.ModuleList(nn.Conv2d(c, self.no * self.na, 1) for c in in_channels)
         # Model measures self.stride (nl,), the levels' strides in input pixels.
 
-    def forward(self, features: list[torch.Tensor]):
+    def forward(self, features):
         raw = []
         # In float32 also under autocast (--amp): in bfloat16 the logits of boxes, objectness and
         # classes lose ~0.07 mAP50 (shapes, 30 epochs: 0.886 vs 0.958).
@@ -141,8 +141,7 @@ class Detect(nn.Module):
                 raw.append(x)
         if self.training:
             return raw
-        decoded = [self._decode(x, level) for level, x in enumerate(raw)]
-        return torch.cat(decoded, 1)
+        return torch.cat([self._decode(x, level) for level, x in enumerate(raw)], 1)
 
     def _decode(self, x: torch.Tensor, level: int) -> torch.Tensor:
         """Level `level`'s raw map (bs, na, ny, nx, no) -> (bs, na * ny * nx, no) decoded."""
@@ -156,8 +155,7 @@ class Detect(nn.Module):
         offset = grid.to(x) - 0.5
         xy = (xy.sigmoid() * 2 + offset) * stride
         wh = (wh.sigmoid() * 2) ** 2 * anchors_px
-        decoded = torch.cat((xy, wh, scores.sigmoid(), coefs), 4)
-        return decoded.view(len(x), -1, self.no)
+        return torch.cat((xy, wh, scores.sigmoid(), coefs), 4).view(len(x), -1, self.no)
 
 
 class Segment(Detect):
@@ -167,7 +165,7 @@ class Segment(Detect):
         super().__init__(num_classes, anchors, in_channels, num_masks=num_masks)
         self.proto = Proto(in_channels[0], proto_channels, num_masks)
 
-    def forward(self, features: list[torch.Tensor]):
+    def forward(self, features):
         # The prototypes in float32 too, also under autocast: in bfloat16 the shapes segment job
         # ended 0.08 mAP lower (mask mAP50 0.817 vs 0.893; with them in float32 0.881).
         with _autocast_off(features[0]):
@@ -243,8 +241,7 @@ def load_cfg(cfg: str | Path | dict) -> tuple[dict, str]:
         path = CFG_DIR / path.name
     # a path that is not a regular file: read_yaml says so
     if not path.exists():
-        names = sorted(p.name for p in CFG_DIR.glob("yolov5*.yaml"))
-        shipped = ", ".join(names)
+        shipped = ", ".join(sorted(p.name for p in CFG_DIR.glob("yolov5*.yaml")))
         raise FileNotFoundError(f"model cfg '{cfg}' not found (shipped configs: {shipped})")
     return read_yaml(path, "model cfg"), str(path)
 
@@ -294,7 +291,7 @@ def _short(x) -> str:
     return reprlib.repr(x)[:40]
 
 
-def _check_keys(cfg: dict, where: str) -> None:
+def _check_keys(cfg: dict, where: str):
     """Raise ValueError unless cfg is a dict with the required keys, each value as CFG_CHECKS."""
     for key in list(CFG_CHECKS)[:5]:
         if not isinstance(cfg, dict) or key not in cfg:
@@ -414,7 +411,7 @@ class Model(nn.Module):
         """The last layer: a Detect (or Segment, a Detect) or a Classify head."""
         return self.model[-1]
 
-    def _measure_strides(self) -> None:
+    def _measure_strides(self):
         """The head's strides from one dummy pass; then its anchors from pixels to grid units."""
         head = self.head
         with torch.no_grad():
@@ -425,7 +422,7 @@ class Model(nn.Module):
         head.stride = torch.tensor(strides, device="cpu")
         head.anchors /= head.stride.view(-1, 1, 1)
 
-    def _init_biases(self) -> None:
+    def _init_biases(self):
         """yolov5's priors: objectness for ~8 objects per 640x640 image, class scores 0.6 / nc."""
         head = self.head
         class_prior = math.log(0.6 / (head.nc - 0.99999))
@@ -435,7 +432,7 @@ class Model(nn.Module):
             bias[:, 4] += math.log(8 / cells)
             bias[:, 5 : 5 + head.nc] += class_prior
 
-    def forward(self, x: torch.Tensor):
+    def forward(self, x):
         outputs = []
         for layer in self.model:
             if isinstance(layer.source, list):
@@ -469,7 +466,7 @@ class ModelEMA:
         self.updates = 0
 
     @torch.no_grad()
-    def update(self, model: nn.Module) -> None:
+    def update(self, model: nn.Module):
         """After an optimizer step: ema = decay * ema + (1 - decay) * model."""
         self.updates += 1
         # The decay ramps up from 0, so that the average forgets fast early in training.

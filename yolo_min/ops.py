@@ -7,21 +7,22 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 import torchvision
+from torch import Tensor
 
 
-def xywh2xyxy(x: torch.Tensor | np.ndarray) -> torch.Tensor | np.ndarray:
+def xywh2xyxy(x: Tensor | np.ndarray) -> Tensor | np.ndarray:
     """(..., 4) [cx, cy, w, h] -> [x1, y1, x2, y2], a tensor or a numpy array like x."""
     centre = x[..., :2]
     half_size = x[..., 2:4] / 2
-    concat = torch.cat if isinstance(x, torch.Tensor) else np.concatenate
+    concat = torch.cat if isinstance(x, Tensor) else np.concatenate
     return concat((centre - half_size, centre + half_size), -1)
 
 
-def xyxy2xywh(x: torch.Tensor | np.ndarray) -> torch.Tensor | np.ndarray:
+def xyxy2xywh(x: Tensor | np.ndarray) -> Tensor | np.ndarray:
     """(..., 4) [x1, y1, x2, y2] -> [cx, cy, w, h], a tensor or a numpy array like x."""
     top_left = x[..., :2]
     bottom_right = x[..., 2:4]
-    concat = torch.cat if isinstance(x, torch.Tensor) else np.concatenate
+    concat = torch.cat if isinstance(x, Tensor) else np.concatenate
     centre = (top_left + bottom_right) / 2
     size = bottom_right - top_left
     return concat((centre, size), -1)
@@ -40,7 +41,7 @@ box_iou = torchvision.ops.box_iou
 
 def non_max_suppression(
     pred, conf_thres, iou_thres, multi_label=False, max_det=300, nm=0, classes=None, agnostic=False
-) -> list[torch.Tensor]:
+) -> list[Tensor]:
     """yolov5's NMS: pred (bs, N, 5+nc+nm) [cx, cy, w, h, obj, class probs, coefs] -> per image
     (n, 6+nm) [x1, y1, x2, y2, conf = obj * prob, cls, coefs] by descending conf. multi_label: all
     (box, class) pairs over conf_thres; classes: only these; agnostic: one NMS for all classes."""
@@ -72,7 +73,7 @@ def non_max_suppression(
     return out
 
 
-def scale_boxes(boxes: torch.Tensor, ratio_pad, orig_hw) -> torch.Tensor:
+def scale_boxes(boxes: Tensor, ratio_pad, orig_hw) -> Tensor:
     """xyxy (n, 4) in letterboxed input pixels -> xyxy original pixels, clipped to the image."""
     (ratio_h, ratio_w), (pad_w, pad_h) = ratio_pad
     orig_h, orig_w = orig_hw
@@ -82,7 +83,7 @@ def scale_boxes(boxes: torch.Tensor, ratio_pad, orig_hw) -> torch.Tensor:
     return torch.stack((x, y), 2).flatten(1)
 
 
-def process_mask(protos, coefs, boxes, input_hw) -> torch.Tensor:
+def process_mask(protos, coefs, boxes, input_hw) -> Tensor:
     """protos (nm, h, w), coefs (n, nm), boxes (n, 4) xyxy input pixels -> (n, H, W) bool masks."""
     # yolov5's process_mask(upsample=True): sigmoid(coefs @ protos), cropped, upsampled, > 0.5
     h, w = protos.shape[1:]
@@ -101,7 +102,7 @@ def process_mask(protos, coefs, boxes, input_hw) -> torch.Tensor:
     return upsampled[:, 0] > 0.5
 
 
-def scale_masks(masks: torch.Tensor, ratio_pad, orig_hw) -> torch.Tensor:
+def scale_masks(masks: Tensor, ratio_pad, orig_hw) -> Tensor:
     """(n, H, W) bool masks on the input -> (n, h, w) on the original: padding cut, nearest."""
     (ratio_h, ratio_w), (pad_w, pad_h) = ratio_pad
     orig_h, orig_w = orig_hw
@@ -118,7 +119,7 @@ def scale_masks(masks: torch.Tensor, ratio_pad, orig_hw) -> torch.Tensor:
     return resized[:, 0].bool()
 
 
-def polygons_to_masks(polygons, hw) -> torch.Tensor:
+def polygons_to_masks(polygons, hw) -> Tensor:
     """Polygons (each (k, 2) [x, y] pixels) -> (m, h, w) bool masks, exactly as pycocotools."""
     # pycocotools' way: edges walked in 1/5-pixel steps toggle the pixels below them per column
     # (PIL's polygon fill differs on ~1% of the pixels)
@@ -209,14 +210,14 @@ def trace_border(m: np.ndarray, start: int) -> tuple[np.ndarray, np.ndarray]:
     return np.stack([points % w, points // w], 1), dirs
 
 
-def as_bool_array(mask: torch.Tensor | np.ndarray) -> np.ndarray:
+def as_bool_array(mask: Tensor | np.ndarray) -> np.ndarray:
     """A mask, a tensor on any device or an array, as a numpy bool array."""
-    if isinstance(mask, torch.Tensor):
+    if isinstance(mask, Tensor):
         mask = mask.cpu()
     return np.asarray(mask, dtype=bool)
 
 
-def mask_to_polygon(mask: torch.Tensor | np.ndarray) -> np.ndarray:
+def mask_to_polygon(mask: Tensor | np.ndarray) -> np.ndarray:
     """A bool (h, w) mask's outer border with the most corners -> those (k, 2) float32 [x, y], as
     yolov5 uses OpenCV's findContours (RETR_EXTERNAL, CHAIN_APPROX_SIMPLE); (0, 2) if empty."""
     m = np.pad(as_bool_array(mask), 1)
@@ -239,7 +240,7 @@ def mask_to_polygon(mask: torch.Tensor | np.ndarray) -> np.ndarray:
     return best
 
 
-def mask_iou(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def mask_iou(a: Tensor, b: Tensor) -> Tensor:
     """IoU of bool masks a (n, h, w) and b (m, h, w) -> (n, m) float64."""
     a = a.flatten(1).float()
     b = b.flatten(1).float()
@@ -252,7 +253,7 @@ def mask_iou(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return inter / union.clamp(min=1)
 
 
-def rle_encode(mask: torch.Tensor | np.ndarray) -> dict:
+def rle_encode(mask: Tensor | np.ndarray) -> dict:
     """COCO's compressed RLE of one (h, w) bool mask: {"size": [h, w], "counts": str}."""
     flat = as_bool_array(mask).T.ravel()
     # run lengths from the runs' starts; the first run is one of zeros (maybe empty)
