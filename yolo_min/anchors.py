@@ -26,7 +26,7 @@ def label_wh(labels: list[dict], imgsz: int, rng: np.random.Generator) -> np.nda
     return wh
 
 
-def ratio_metric(anchors: np.ndarray, wh: np.ndarray) -> np.ndarray:
+def ratio_metric(anchors, wh):
     """(n, m): per anchor (n, 2) and label (m, 2), the worse of the w and h ratios, in (0, 1]."""
     # Widths and heights apart, labels last: numpy is fast along long contiguous rows.
     ratio = wh.T[:, None] / anchors.T[:, :, None]
@@ -35,13 +35,13 @@ def ratio_metric(anchors: np.ndarray, wh: np.ndarray) -> np.ndarray:
     return np.minimum(metric[0], metric[1])
 
 
-def bpr_and_aat(anchors: np.ndarray, wh: np.ndarray, threshold: float) -> tuple[float, float]:
+def bpr_and_aat(anchors, wh, threshold):
     """(best possible recall, mean number of anchors above threshold per label)."""
     above = ratio_metric(anchors, wh) > 1 / threshold
     return float(above.any(0).mean()), float(above.sum(0).mean())
 
 
-def fitness(anchors: np.ndarray, wh: np.ndarray, threshold: float) -> float:
+def fitness(anchors, wh, threshold):
     """Evolution objective: mean over labels of the best anchor's ratio metric, counted as 0 where
     it is at most 1/threshold."""
     best = ratio_metric(anchors, wh).max(0)
@@ -61,7 +61,7 @@ def kmeans(points: np.ndarray, k: int, rng: np.random.Generator, iters: int = 30
     return centres
 
 
-def fit_anchors(wh: np.ndarray, num_anchors=9, threshold=4.0, gens=1000, seed=0) -> np.ndarray:
+def fit_anchors(wh, num_anchors=9, threshold=4.0, gens=1000, seed=0):
     """Anchors (num_anchors, 2) for the label sizes wh (m, 2), in pixels, sorted by area."""
     # k-means on the sizes scaled by their standard deviation, then `gens` generations of random
     # multiplicative mutations, each kept when it improves the fitness.

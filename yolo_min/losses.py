@@ -30,7 +30,7 @@ _OFFSETS = torch.tensor(
 )
 
 
-def scale_hyp(hyp: dict, num_classes: int, image_size: int, num_levels: int = 3) -> dict:
+def scale_hyp(hyp, num_classes, image_size, num_levels=3):
     """A copy of hyp with the loss gains box, cls, obj rescaled for the number of classes, the
     image size in pixels and the number of levels."""
     # hyp's gains are tuned for 80 classes, 640 pixels and 3 levels. Training rescales them so
@@ -44,7 +44,7 @@ def scale_hyp(hyp: dict, num_classes: int, image_size: int, num_levels: int = 3)
     return hyp | scaled
 
 
-def bbox_ciou(box1: Tensor, box2: Tensor, eps: float = 1e-7) -> Tensor:
+def bbox_ciou(box1, box2, eps=1e-7):
     """Complete IoU (n,) of paired xywh boxes box1, box2 (n, 4), as yolov5's."""
     # CIoU = IoU - centre distance^2 / enclosing diagonal^2 - alpha * v, where v measures the
     # difference in aspect ratio; alpha is a constant for the gradient, as in yolov5.
@@ -96,7 +96,7 @@ class Assignment(NamedTuple):
     box_normalised: Tensor
 
     @property
-    def cells(self) -> tuple:
+    def cells(self):
         """The (image, anchor, grid_y, grid_x) indices of the positives into a level's maps."""
         return self.image, self.anchor, self.grid_y, self.grid_x
 
@@ -114,14 +114,14 @@ class MaskPositives(NamedTuple):
     box: Tensor
 
 
-def mask_values(images: Tensor, batch_size: int) -> Tensor:
+def mask_values(images, batch_size):
     """(N,) each target's value in the overlap masks: its 1-based rank among its image's targets;
     images (N,): the targets' image indices."""
     onehot = F.one_hot(images.long(), batch_size)
     return (onehot.cumsum(0) * onehot).sum(1)
 
 
-def mask_loss(levels: list, protos: Tensor, masks: Tensor) -> Tensor:
+def mask_loss(levels, protos, masks):
     """yolov5's mask loss, plainly: summed over levels and images, the mean over the image's
     positives at that level of the BCE-with-logits of the predicted mask (coefs @ protos) against
     the target's mask, cropped to its box, mean over the map, divided by the normalised box area.
@@ -151,7 +151,7 @@ def mask_loss(levels: list, protos: Tensor, masks: Tensor) -> Tensor:
     return total
 
 
-def _runs(lengths: Tensor) -> tuple[Tensor, Tensor]:
+def _runs(lengths):
     """Runs of the given lengths (r,) laid end to end: each element's run, and its place in it."""
     run = torch.repeat_interleave(lengths)
     run_start = lengths.cumsum(0) - lengths
@@ -159,7 +159,7 @@ def _runs(lengths: Tensor) -> tuple[Tensor, Tensor]:
     return run, element - run_start[run]
 
 
-def mask_loss_fast(levels: list, protos: Tensor, masks: Tensor) -> Tensor:
+def mask_loss_fast(levels, protos, masks):
     """mask_loss from the pixels inside the boxes alone, which YOLOLoss uses; arguments as
     mask_loss's. Equal to it to float rounding: its sums associate differently (tests/test_losses.py
     checks the loss and its gradients).
@@ -256,7 +256,7 @@ class YOLOLoss:
         # mask_loss_fast, equal to the plain mask_loss, ~3.5x faster (see its docstring).
         self.mask_loss = mask_loss_fast
 
-    def _bce(self, logits: Tensor, target: Tensor, pos_weight: Tensor) -> Tensor:
+    def _bce(self, logits, target, pos_weight):
         """Mean BCE-with-logits; with fl_gamma > 0 yolov5's focal form (alpha 0.25)."""
         loss = F.binary_cross_entropy_with_logits(
             logits, target, pos_weight=pos_weight, reduction="none"
@@ -269,7 +269,7 @@ class YOLOLoss:
             loss = loss * alpha * (1.0 - prob_true) ** gamma
         return loss.mean()
 
-    def _assign(self, level: int, targets: Tensor, ny, nx) -> Assignment:
+    def _assign(self, level, targets, ny, nx) -> Assignment:
         """The positives of `level`, whose maps are ny x nx cells; targets (N, 6) as __call__'s."""
         # The level's anchors (na, 2) are in grid units, as are the boxes below.
         anchors = self.head.anchors[level].to(targets.device)
@@ -306,7 +306,7 @@ class YOLOLoss:
             box_normalised=(grid_xywh / gain)[target],
         )
 
-    def __call__(self, preds, targets: Tensor, masks: Tensor | None = None):
+    def __call__(self, preds, targets, masks=None):
         maps = preds
         if self.nm:
             maps, protos = preds
@@ -317,8 +317,9 @@ class YOLOLoss:
             if masks.shape[-2:] != size:
                 masks = F.interpolate(masks[None].float(), size, mode="nearest")[0]
         if targets.ndim != 2 or targets.shape[1] != 6:
-            shape = tuple(targets.shape)
-            raise ValueError(f"YOLOLoss: targets must be (N, 6) [img, cls, xywh], not {shape}")
+            raise ValueError(
+                f"YOLOLoss: targets must be (N, 6) [img, cls, xywh], not {tuple(targets.shape)}"
+            )
         device = maps[0].device
         batch_size = maps[0].shape[0]
         targets = targets.to(device=device, dtype=torch.float32)
@@ -366,14 +367,14 @@ class YOLOLoss:
         return loss, {name: value.detach()[0] for name, value in items.items()}
 
     @staticmethod
-    def _pred_boxes(pred: Tensor, anchor_wh: Tensor) -> Tensor:
+    def _pred_boxes(pred, anchor_wh):
         """(n, 4) grid xywh of the positives' predictions (n, no), xy from the cell's corner."""
         xy = pred[:, :2].sigmoid() * 2 - 0.5
         wh = (pred[:, 2:4].sigmoid() * 2) ** 2 * anchor_wh
         return torch.cat((xy, wh), 1)
 
     @staticmethod
-    def _set_obj_target(obj_target: Tensor, positives: Assignment, iou: Tensor):
+    def _set_obj_target(obj_target, positives, iou):
         """Write the positives' detached IoU (n,) into obj_target (bs, na, ny, nx), in place."""
         # Several positives may share a cell: the last in assignment order wins (what yolov5's
         # index assignment does), made explicit here so that it is deterministic on every device:
@@ -387,7 +388,7 @@ class YOLOLoss:
         iou_target = iou.detach().clamp(0).to(obj_target.dtype)
         obj_target.view(-1)[cell] = iou_target[last[cell]]
 
-    def _class_loss(self, logits: Tensor, classes: Tensor) -> Tensor:
+    def _class_loss(self, logits, classes):
         """BCE of the positives' class logits (n, nc) against their classes (n,), smoothed."""
         target = torch.full_like(logits, self.class_negative)
         positives = torch.arange(len(logits), device=logits.device)
@@ -399,7 +400,7 @@ class ClassifyLoss(nn.CrossEntropyLoss):
     """yolov5's classification loss: `ClassifyLoss(label_smoothing=...)(logits (bs, nc), targets
     (bs, 2) [image, cls])` -> (the batch mean cross-entropy, {"cls"})."""
 
-    def forward(self, logits: Tensor, targets: Tensor) -> tuple[Tensor, dict]:
+    def forward(self, logits, targets):
         classes = targets[:, 1].long().to(logits.device)
         loss = super().forward(logits.float(), classes)
         return loss, {"cls": loss.detach()}

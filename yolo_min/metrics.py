@@ -23,7 +23,7 @@ KINDS = {
 AP_METRICS = ("P", "R", "mAP50", "mAP50-95")
 
 
-def match_predictions(iou: np.ndarray, conf, pred_cls, gt_cls) -> np.ndarray:
+def match_predictions(iou, conf, pred_cls, gt_cls):
     """COCO's greedy matching: iou (n, m), conf (n,), pred_cls (n,), gt_cls (m,) -> tp (n, T) bool;
     by descending conf, each takes its class's free ground truth of top IoU >= t (ties: last)."""
     thresholds = IOU_THRESHOLDS[:, None]
@@ -48,19 +48,18 @@ def match_predictions(iou: np.ndarray, conf, pred_cls, gt_cls) -> np.ndarray:
     return tp
 
 
-def image_record(index: int, conf, pred_cls, gt_cls, ious: dict) -> dict:
+def image_record(index, conf, pred_cls, gt_cls, ious):
     """What AP needs from one image: conf (n,), pred_cls (n,), gt_cls (m,), ious {"box" and/or
     "mask": (n, m) float64} -> {"index", "conf", "cls", "gt_cls", "tp": {kind: (n, T) bool}}."""
     conf = np.asarray(conf, np.float64)
     pred_cls = np.asarray(pred_cls, np.int64)
     gt_cls = np.asarray(gt_cls, np.int64)
-    tp = {kind: match_predictions(iou, conf, pred_cls, gt_cls) for kind, iou in ious.items()}
     return {
         "index": int(index),
         "conf": conf,
         "cls": pred_cls,
         "gt_cls": gt_cls,
-        "tp": tp,
+        "tp": {kind: match_predictions(iou, conf, pred_cls, gt_cls) for kind, iou in ious.items()},
     }
 
 
@@ -71,7 +70,7 @@ def merge_records(parts: list[list[dict]]) -> list[dict]:
     return [merged[index] for index in sorted(merged)]
 
 
-def ap_per_class(tp: np.ndarray, conf, pred_cls, classes, n_gt) -> dict:
+def ap_per_class(tp, conf, pred_cls, classes, n_gt):
     """COCO AP of all detections tp (N, T), conf (N,), pred_cls (N,) (by dataset index) for classes
     (K,) of n_gt (K,) instances -> "P", "R" at the max-mean-F1 conf, "mAP50", "mAP50-95" (K, T)."""
     n_classes = len(classes)
@@ -129,7 +128,7 @@ def metric_names(kinds: tuple[str, ...]) -> list[str]:
     return [f"{name}({SUFFIX[kind]})" for kind in kinds for name in AP_METRICS]
 
 
-def summarize(records: list[dict], kinds: tuple[str, ...] = ("box",)) -> dict:
+def summarize(records: list[dict], kinds: tuple[str, ...] = ("box",)):
     """{"metrics": {"P(B)", "R(B)", "mAP50(B)", "mAP50-95(B)" (and (M) for masks)}, "fitness",
     "images", "instances", "per_class": [{"class", "images", "instances", metrics...}]}."""
     conf = _joined(records, "conf", np.zeros(0))
@@ -170,7 +169,7 @@ def _joined(records, key, empty):
     return np.concatenate([empty] + [record[key] for record in records])
 
 
-def class_records(indices, scores, labels, losses) -> list[dict]:
+def class_records(indices, scores, labels, losses):
     """A batch's indices, labels, losses (bs,) and scores (bs, nc) (CPU logits or probabilities)
     -> per image {"index", "label", "top5" (the min(5, nc) best classes, best first), "loss"}."""
     scores = np.asarray(scores, np.float64)
@@ -187,7 +186,7 @@ def class_records(indices, scores, labels, losses) -> list[dict]:
     ]
 
 
-def summarize_classes(records: list[dict]) -> dict:
+def summarize_classes(records):
     """summarize's dict of class_records: "metrics" {"top1_acc", "top5_acc" (1 if nc < 5, as
     yolov5), "val_loss"}, "fitness" (top1_acc), "images", "per_class" (the accuracies by label)."""
     labels = np.array([record["label"] for record in records], np.int64)
@@ -216,7 +215,7 @@ def _accuracy(hits):
     return {"top1_acc": float(top1), "top5_acc": float(top5)}
 
 
-def fitness(metrics: dict) -> float:
+def fitness(metrics):
     """0.1 * mAP50 + 0.9 * mAP50-95, summed over boxes and (segment) masks."""
     return sum(
         0.1 * metrics[f"mAP50({suffix})"] + 0.9 * metrics[f"mAP50-95({suffix})"]

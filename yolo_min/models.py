@@ -38,7 +38,7 @@ class Conv(nn.Sequential):
 class Bottleneck(nn.Module):
     """1x1 conv, 3x3 conv, both keeping the channels (as in C3), plus the input when shortcut."""
 
-    def __init__(self, channels: int, shortcut: bool):
+    def __init__(self, channels, shortcut):
         super().__init__()
         self.cv1 = Conv(channels, channels)
         self.cv2 = Conv(channels, channels, kernel_size=3)
@@ -53,7 +53,7 @@ class C3(nn.Module):
     """CSP block: `repeats` bottlenecks on one half of the channels, a 1x1 shortcut on the other,
     merged by a 1x1 conv."""
 
-    def __init__(self, in_channels, out_channels, repeats: int, shortcut: bool = True):
+    def __init__(self, in_channels, out_channels, repeats, shortcut=True):
         super().__init__()
         hidden = out_channels // 2
         self.cv1 = Conv(in_channels, hidden)
@@ -70,7 +70,7 @@ class C3(nn.Module):
 class SPPF(nn.Module):
     """Spatial pyramid pooling, fast: three chained 5x5 max-pools equal pools of 5, 9 and 13."""
 
-    def __init__(self, in_channels, out_channels, kernel_size: int = 5):
+    def __init__(self, in_channels, out_channels, kernel_size=5):
         super().__init__()
         hidden = in_channels // 2
         self.cv1 = Conv(in_channels, hidden)
@@ -94,7 +94,7 @@ class Concat(nn.Module):
 class Proto(nn.Sequential):
     """Mask prototypes: P3 features (bs, in_channels, H/8, W/8) -> (bs, num_masks, H/4, W/4)."""
 
-    def __init__(self, in_channels: int, hidden: int, num_masks: int):
+    def __init__(self, in_channels, hidden, num_masks):
         layers = OrderedDict(
             cv1=Conv(in_channels, hidden, kernel_size=3),
             upsample=nn.Upsample(scale_factor=2, mode="nearest"),
@@ -104,7 +104,7 @@ class Proto(nn.Sequential):
         super().__init__(layers)
 
 
-def _autocast_off(x: torch.Tensor) -> torch.autocast:
+def _autocast_off(x):
     """A context with autocast off on x's device type ("cpu" also for the meta device)."""
     device_type = "cuda" if x.is_cuda else "cpu"
     return torch.autocast(device_type, enabled=False)
@@ -115,15 +115,14 @@ class Detect(nn.Module):
     train: nl raw maps (bs, na, ny, nx, no), channels [tx, ty, tw, th, obj, cls..., coefs...];
     eval: (bs, N, no) decoded: xywh in input pixels, obj and class probabilities, raw mask coefs."""
 
-    def __init__(self, num_classes: int, anchors: list, in_channels: list, num_masks: int = 0):
+    def __init__(self, num_classes, anchors, in_channels, num_masks=0):
         super().__init__()
         self.nc = num_classes
         self.nm = num_masks
         self.no = 5 + num_classes + num_masks
         self.nl = len(anchors)
         self.na = len(anchors[0]) // 2
-        anchors_wh = torch.tensor(anchors).float().view(self.nl, -1, 2)
-        self.register_buffer("anchors", anchors_wh)
+        self.register_buffer("anchors", torch.tensor(anchors).float().view(self.nl, -1, 2))
         self.m = nn.ModuleList(nn.Conv2d(c, self.no * self.na, 1) for c in in_channels)
         # Model measures self.stride (nl,), the levels' strides in input pixels.
 
@@ -143,7 +142,7 @@ class Detect(nn.Module):
             return raw
         return torch.cat([self._decode(x, level) for level, x in enumerate(raw)], 1)
 
-    def _decode(self, x: torch.Tensor, level: int) -> torch.Tensor:
+    def _decode(self, x, level):
         """Level `level`'s raw map (bs, na, ny, nx, no) -> (bs, na * ny * nx, no) decoded."""
         _, _, ny, nx, _ = x.shape
         # grid (ny, nx, 2) holds each cell's [x, y].
@@ -169,9 +168,7 @@ class Segment(Detect):
         # The prototypes in float32 too, also under autocast: in bfloat16 the shapes segment job
         # ended 0.08 mAP lower (mask mAP50 0.817 vs 0.893; with them in float32 0.881).
         with _autocast_off(features[0]):
-            detections = super().forward(features)
-            protos = self.proto(features[0].float())
-        return detections, protos
+            return super().forward(features), self.proto(features[0].float())
 
 
 class Classify(nn.Sequential):
@@ -180,7 +177,7 @@ class Classify(nn.Sequential):
     # The stride of the backbone's last map, which yolov5's classifiers keep.
     stride = torch.tensor([32.0])
 
-    def __init__(self, in_channels: int, num_classes: int = 1000, dropout: float = 0.0):
+    def __init__(self, in_channels, num_classes=1000, dropout=0.0):
         # EfficientNet-B0's head width, with torch's BatchNorm defaults, as yolov5's Classify has.
         conv = Conv(in_channels, 1280)
         conv.bn.eps = 1e-5
@@ -227,7 +224,7 @@ def amp_dtype(device: torch.device, mode: str) -> torch.dtype | None:
     return None
 
 
-def make_divisible(x: float, divisor: int = 8) -> int:
+def make_divisible(x, divisor=8):
     """x rounded up to a multiple of divisor."""
     return math.ceil(x / divisor) * divisor
 
@@ -253,21 +250,21 @@ MAX_REPEATS = 16
 MAX_NUMBER = 10_000
 
 
-def _number(x, low: float = -MAX_NUMBER, high: float = MAX_NUMBER) -> bool:
+def _number(x, low=-MAX_NUMBER, high=MAX_NUMBER):
     """x is an int or float (no bool) in (low, high]: neither NaN nor inf nor huge."""
     return type(x) in (int, float) and low < x <= high
 
 
-def _rows(x, most: int) -> bool:
+def _rows(x, most):
     return isinstance(x, list) and 0 < len(x) <= most
 
 
-def _anchor_rows(x) -> bool:
+def _anchor_rows(x):
     """At most 8 levels of at most 10 anchors (w, h pairs), all numbers."""
     return _rows(x, 8) and all(_rows(row, 20) and all(map(_number, row)) for row in x)
 
 
-def _scalar(x) -> bool:
+def _scalar(x):
     """A layer argument: None, a str, a bool or a number."""
     return x is None or type(x) in (str, bool) or _number(x)
 
@@ -286,12 +283,12 @@ CFG_CHECKS = {
 ROW = "[from (-1 or earlier layers), repeats (1-16 after depth_multiple), module, args (scalars)]"
 
 
-def _short(x) -> str:
+def _short(x):
     """x's repr cut short: an untrusted object may be huge, or shared lists nested deep."""
     return reprlib.repr(x)[:40]
 
 
-def _check_keys(cfg: dict, where: str):
+def _check_keys(cfg, where):
     """Raise ValueError unless cfg is a dict with the required keys, each value as CFG_CHECKS."""
     for key in list(CFG_CHECKS)[:5]:
         if not isinstance(cfg, dict) or key not in cfg:
@@ -303,7 +300,7 @@ def _check_keys(cfg: dict, where: str):
             raise ValueError(f"{where}: {_short(key)}: {_short(value)} {why}")
 
 
-def _check_row(row, index: int, depth_multiple: float, at: str) -> list:
+def _check_row(row, index, depth_multiple, at):
     """The sources (a list) of layer `index`'s row [from, repeats, module, args]; ValueError unless
     the row is as ROW says."""
     if not isinstance(row, list) or len(row) != 4:
@@ -318,7 +315,7 @@ def _check_row(row, index: int, depth_multiple: float, at: str) -> list:
     return sources
 
 
-def _layer_args(module_class, args: list, in_channels: list, width_multiple: float) -> tuple:
+def _layer_args(module_class, args, in_channels, width_multiple):
     """(the constructor's args, the output channels) of a layer of module_class reading maps of
     in_channels; args: the config's, its symbols (nc, anchors) resolved."""
     # One input's channels, or a Concat's: their sum.
@@ -407,7 +404,7 @@ class Model(nn.Module):
         self.stride = head.stride
 
     @property
-    def head(self) -> Detect | Classify:
+    def head(self):
         """The last layer: a Detect (or Segment, a Detect) or a Classify head."""
         return self.model[-1]
 
@@ -418,8 +415,7 @@ class Model(nn.Module):
             out = self.forward(torch.zeros(1, 3, 256, 256))
         maps = out[0] if self.task == "segment" else out
         # The strides live on the CPU, also when the model is built on the meta device.
-        strides = [256 / x.shape[-3] for x in maps]
-        head.stride = torch.tensor(strides, device="cpu")
+        head.stride = torch.tensor([256 / x.shape[-3] for x in maps], device="cpu")
         head.anchors /= head.stride.view(-1, 1, 1)
 
     def _init_biases(self):
@@ -453,7 +449,7 @@ class Model(nn.Module):
         return self
 
 
-def de_parallel(model: nn.Module) -> nn.Module:
+def de_parallel(model):
     """The plain model inside a DDP wrapper (or the model itself)."""
     return model.module if hasattr(model, "module") else model
 
@@ -461,12 +457,12 @@ def de_parallel(model: nn.Module) -> nn.Module:
 class ModelEMA:
     """Exponential moving average of every float tensor of a model's state (weights, BN buffers)."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model):
         self.ema = deepcopy(de_parallel(model)).eval().requires_grad_(False)
         self.updates = 0
 
     @torch.no_grad()
-    def update(self, model: nn.Module):
+    def update(self, model):
         """After an optimizer step: ema = decay * ema + (1 - decay) * model."""
         self.updates += 1
         # The decay ramps up from 0, so that the average forgets fast early in training.

@@ -10,7 +10,7 @@ import torchvision
 from torch import Tensor
 
 
-def xywh2xyxy(x: Tensor | np.ndarray) -> Tensor | np.ndarray:
+def xywh2xyxy(x):
     """(..., 4) [cx, cy, w, h] -> [x1, y1, x2, y2], a tensor or a numpy array like x."""
     centre = x[..., :2]
     half_size = x[..., 2:4] / 2
@@ -18,7 +18,7 @@ def xywh2xyxy(x: Tensor | np.ndarray) -> Tensor | np.ndarray:
     return concat((centre - half_size, centre + half_size), -1)
 
 
-def xyxy2xywh(x: Tensor | np.ndarray) -> Tensor | np.ndarray:
+def xyxy2xywh(x):
     """(..., 4) [x1, y1, x2, y2] -> [cx, cy, w, h], a tensor or a numpy array like x."""
     top_left = x[..., :2]
     bottom_right = x[..., 2:4]
@@ -28,7 +28,7 @@ def xyxy2xywh(x: Tensor | np.ndarray) -> Tensor | np.ndarray:
     return concat((centre, size), -1)
 
 
-def box_corners(xyxy: np.ndarray) -> np.ndarray:
+def box_corners(xyxy):
     """(..., 4) xyxy boxes -> (..., 4, 2) corners [x, y] clockwise from the top-left, dtype kept."""
     # [x1, y1], [x2, y1], [x2, y2], [x1, y2]
     corners = xyxy[..., [0, 1, 2, 1, 2, 3, 0, 3]]
@@ -73,7 +73,7 @@ def non_max_suppression(
     return out
 
 
-def scale_boxes(boxes: Tensor, ratio_pad, orig_hw) -> Tensor:
+def scale_boxes(boxes, ratio_pad, orig_hw):
     """xyxy (n, 4) in letterboxed input pixels -> xyxy original pixels, clipped to the image."""
     (ratio_h, ratio_w), (pad_w, pad_h) = ratio_pad
     orig_h, orig_w = orig_hw
@@ -83,12 +83,11 @@ def scale_boxes(boxes: Tensor, ratio_pad, orig_hw) -> Tensor:
     return torch.stack((x, y), 2).flatten(1)
 
 
-def process_mask(protos, coefs, boxes, input_hw) -> Tensor:
+def process_mask(protos, coefs, boxes, input_hw):
     """protos (nm, h, w), coefs (n, nm), boxes (n, 4) xyxy input pixels -> (n, H, W) bool masks."""
     # yolov5's process_mask(upsample=True): sigmoid(coefs @ protos), cropped, upsampled, > 0.5
     h, w = protos.shape[1:]
-    logits = coefs.float() @ protos.float().flatten(1)
-    masks = logits.sigmoid().view(-1, 1, h, w)
+    masks = (coefs.float() @ protos.float().flatten(1)).sigmoid().view(-1, 1, h, w)
     input_h, input_w = input_hw
     scale = boxes.new_tensor([w / input_w, h / input_h] * 2)
     # the boxes in prototype pixels, each coordinate (n, 1, 1, 1)
@@ -102,7 +101,7 @@ def process_mask(protos, coefs, boxes, input_hw) -> Tensor:
     return upsampled[:, 0] > 0.5
 
 
-def scale_masks(masks: Tensor, ratio_pad, orig_hw) -> Tensor:
+def scale_masks(masks, ratio_pad, orig_hw):
     """(n, H, W) bool masks on the input -> (n, h, w) on the original: padding cut, nearest."""
     (ratio_h, ratio_w), (pad_w, pad_h) = ratio_pad
     orig_h, orig_w = orig_hw
@@ -115,8 +114,7 @@ def scale_masks(masks: Tensor, ratio_pad, orig_hw) -> Tensor:
     masks = masks[:, top : top + rows, left : left + cols]
     if masks.shape[1:] == tuple(orig_hw):
         return masks
-    resized = F.interpolate(masks[:, None].byte(), size=orig_hw, mode="nearest-exact")
-    return resized[:, 0].bool()
+    return F.interpolate(masks[:, None].byte(), size=orig_hw, mode="nearest-exact")[:, 0].bool()
 
 
 def polygons_to_masks(polygons, hw) -> Tensor:
@@ -138,8 +136,7 @@ def polygons_to_masks(polygons, hw) -> Tensor:
         col, off_centre = np.divmod(left - 2, 5)
         # the row below the crossing, in pixels
         top = np.minimum(v[j], v[j + 1])
-        row = np.clip((top + 0.5) / 5 - 0.5, 0, h)
-        row = np.ceil(row).astype(np.int64)
+        row = np.ceil(np.clip((top + 0.5) / 5 - 0.5, 0, h)).astype(np.int64)
         keep = (off_centre == 0) & (col >= 0) & (col < w)
         if not keep.any():
             continue
@@ -156,7 +153,7 @@ def polygons_to_masks(polygons, hw) -> Tensor:
     return torch.from_numpy(out)
 
 
-def walk_edges(points: np.ndarray):
+def walk_edges(points):
     """A closed polygon's (k, 2) int64 vertices [x, y] in 1/5 pixels -> the x and y of the points
     pycocotools walks along its edges: one step along each edge's longer axis, the other rounded."""
     ends = np.roll(points, -1, axis=0)
@@ -183,7 +180,7 @@ def walk_edges(points: np.ndarray):
     return np.take_along_axis(walked, axes[edge], 1).T
 
 
-def trace_border(m: np.ndarray, start: int) -> tuple[np.ndarray, np.ndarray]:
+def trace_border(m, start):
     """Moore-neighbour trace of the outer border of the 8-connected component at flat index `start`
     of a zero-framed bool mask -> its pixels (k, 2) [x, y] clockwise, each one's step (0-7)."""
     flat = m.ravel()
@@ -210,7 +207,7 @@ def trace_border(m: np.ndarray, start: int) -> tuple[np.ndarray, np.ndarray]:
     return np.stack([points % w, points // w], 1), dirs
 
 
-def as_bool_array(mask: Tensor | np.ndarray) -> np.ndarray:
+def as_bool_array(mask):
     """A mask, a tensor on any device or an array, as a numpy bool array."""
     if isinstance(mask, Tensor):
         mask = mask.cpu()
