@@ -20,6 +20,9 @@ KINDS = {
     stat.S_IFBLK: "a block device",
     stat.S_IFSOCK: "a socket",
 }
+# O_NONBLOCK: opening a FIFO returns at once instead of waiting for a writer (Windows has no such
+# flag); os.open's descriptors are not inherited by child processes already (PEP 446)
+READ_NONBLOCKING = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)
 
 
 class FileError(ValueError):
@@ -29,11 +32,8 @@ class FileError(ValueError):
 def read_bytes(path: str | Path, limit: int, what=""):
     """The bytes of a regular file of at most limit bytes; else FileError naming `what path`."""
     name = f"{what} {path}".strip()
-    # O_NONBLOCK: opening a FIFO returns at once instead of waiting for a writer (Windows has no
-    # such flag); os.open's descriptors are not inherited by child processes already (PEP 446)
-    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)
     try:
-        fd = os.open(path, flags)
+        fd = os.open(path, READ_NONBLOCKING)
     except OSError as e:
         raise FileError(f"{name}: cannot open it ({e.strerror})") from None
     mode = os.fstat(fd).st_mode

@@ -119,7 +119,13 @@ def draw_labels(image: torch.Tensor, boxes, text, colors):
     box where the image ends), in a font that scales with the image: uint8 (3,H,W) -> the same."""
     picture = to_pil_image(image)
     draw = ImageDraw.Draw(picture)
-    font = label_font(sum(picture.size) / 2)
+    # 3.5% of the image's mean side (yolov5's), at least 8 px
+    size = max(round(sum(picture.size) / 2 * 0.035), 8)
+    try:
+        font = ImageFont.load_default(size)
+    except TypeError:
+        # Pillow before 10.1 has one bitmap font of one size.
+        font = ImageFont.load_default()
     for box, label, color in zip(boxes.tolist(), text, colors):
         left, top, right, bottom = draw.textbbox((0, 0), label, font=font)
         # The tab holds the text and a 1 px margin.
@@ -131,13 +137,3 @@ def draw_labels(image: torch.Tensor, boxes, text, colors):
         origin = (x + 1 - left, y + 1 - top)
         draw.text(origin, label, fill="white", font=font)
     return pil_to_tensor(picture)
-
-
-def label_font(image_size: float):
-    """The labels' font: 3.5% of the image's mean side (yolov5's), at least 8 px."""
-    size = max(round(image_size * 0.035), 8)
-    try:
-        return ImageFont.load_default(size)
-    except TypeError:
-        # Pillow before 10.1 has one bitmap font of one size.
-        return ImageFont.load_default()

@@ -34,7 +34,7 @@ from . import dist, ops, plots
 from .checkpoint import next_run_dir
 from .cli import ConfigError, parse_kwargs
 from .datasets import to_rgb8
-from .files import replace_file
+from .files import READ_NONBLOCKING, replace_file
 from .labels import IMG_FORMATS, DataError
 from .models import amp_dtype, make_divisible
 from .safe_load import load_model
@@ -196,7 +196,7 @@ def decode(src):
         src = to_rgb8(ImageOps.exif_transpose(src))
     elif not isinstance(src, np.ndarray):
         # without O_NONBLOCK, opening a FIFO waits for a writer, perhaps forever
-        descriptor = os.open(src, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        descriptor = os.open(src, READ_NONBLOCKING)
         with os.fdopen(descriptor, "rb") as file:
             # a FIFO, socket or device could block forever or never end
             if not stat.S_ISREG(os.fstat(descriptor).st_mode):
@@ -359,7 +359,7 @@ def to_original(det, protos, sample, input_hw, polygons):
     out = dict(boxes=rows, masks=None)
     if protos is None:
         return out
-    masks = ops.process_mask(protos, coefs=det[:, 6:], boxes=det[:, :4], input_hw=input_hw)
+    masks = ops.process_mask(protos, det[:, 6:], det[:, :4], input_hw=input_hw)
     out["masks"] = ops.scale_masks(masks, ratio_pad, (h, w)).cpu()
     if polygons:
         # traced at input resolution, as yolov5 does
@@ -382,7 +382,7 @@ def predict(model, images, **options):
 def top5(result):
     """A classifier's 5 likeliest (class, probability), likeliest first."""
     probs, classes = result["probs"].sort(descending=True)
-    return [(int(c), float(p)) for p, c in zip(probs, classes)][:5]
+    return list(zip(classes[:5].tolist(), probs[:5].tolist()))
 
 
 def draw(result, line_width=None, labels=True, conf=True):
@@ -453,24 +453,20 @@ def json_entry(result):
 
 def crop_folders(names):
     """--save-crop's folder under crops/ for each class: its name made one safe path component
-    (safe_name; an empty one: class<k>), with _<k> (its class index k) added while another class
-    has that folder already (names that differ only in case share one on some file systems)."""
+    (/ \\ : * ? " < > | and control characters as _, leading and trailing dots and spaces dropped,
+    so no `.` or `..`, at most MAX_FOLDER_BYTES in UTF-8; an empty one: class<k>), with _<k> (its
+    class index k) added while another class has that folder already (names that differ only in
+    case share one on some file systems)."""
     folders = []
     taken = set()
     for k, name in enumerate(names):
-        folder = safe_name(str(name)) or f"class{k}"
+        clean = UNSAFE_CHARACTERS.sub("_", str(name)).strip(" .")
+        folder = clean.encode()[:MAX_FOLDER_BYTES].decode(errors="ignore") or f"class{k}"
         while folder.casefold() in taken:
             folder = f"{folder}_{k}"
         taken.add(folder.casefold())
         folders.append(folder)
     return folders
-
-
-def safe_name(name: str):
-    """name as a single file name: / \\ : * ? " < > | and control characters as _, leading and
-    trailing dots and spaces dropped (no `.` or `..`), at most MAX_FOLDER_BYTES in UTF-8."""
-    clean = UNSAFE_CHARACTERS.sub("_", name).strip(" .")
-    return clean.encode()[:MAX_FOLDER_BYTES].decode(errors="ignore")
 
 
 def output_stems(files):
@@ -506,19 +502,11 @@ def check_run_folder(save_dir: Path, files, source):
             raise ConfigError(f"--project/--name: {why}; predict into another folder")
 
 
-def crop_box(box, size):
-    """A box xyxy in whole pixels as a crop inside an image of size (width, height), at least
-    1 x 1 (PIL writes no empty image)."""
-    limit = np.array(size)
-    start = np.clip(box[:2], 0, limit - 1)
-    end = np.clip(box[2:], start + 1, limit)
-    return [int(v) for v in (*start, *end)]
-
-
 def save(result, save_dir: Path, args, stem, folders):
     """An image's outputs under stem (output_stems): its drawing <stem>.<ext>, labels/<stem>.txt
     (if it has detections) and crops/<folders[class]>/<stem>_<k>.jpg."""
-    ext = Path(result["path"]).name.rpartition(".")[2]
+    # find_images' extension: what follows the last dot
+    ext = result["path"].rpartition(".")[2]
     boxes = result.get("boxes", torch.zeros(0, 6))
     if not args.nosave:
         picture = draw(
@@ -532,8 +520,12 @@ def save(result, save_dir: Path, args, stem, folders):
     if not args.save_crop:
         return
     image = Image.fromarray(result["image"].numpy())
+    limit = np.array(image.size)
     for k, (*box, _, cls) in enumerate(boxes.tolist()):
-        crop = image.crop(crop_box(box, image.size))
+        # the box in whole pixels inside the image, at least 1 x 1 (PIL writes no empty image)
+        start = np.clip(box[:2], 0, limit - 1)
+        end = np.clip(box[2:], start + 1, limit)
+        crop = image.crop([int(v) for v in (*start, *end)])
         folder = save_dir / "crops" / folders[int(cls)]
         folder.mkdir(parents=True, exist_ok=True)
         replace_file(folder / f"{stem}_{k}.jpg", crop.save)
@@ -669,10 +661,13 @@ def predict_share(model, args, info, files, stems, save_dir: Path, amp):
                 # named and skipped: the run goes on
                 print(f"WARNING {result['path']}: {result['error']}; skipped", flush=True)
                 continue
-            place = info.rank + result["index"] * info.world_size
-            detections = len(result.get("boxes", ()))
             seen.append(
-                Seen(place=place, detections=detections, speed=result["speed"], entry=entry)
+                Seen(
+                    place=info.rank + result["index"] * info.world_size,
+                    detections=len(result.get("boxes", ())),
+                    speed=result["speed"],
+                    entry=entry,
+                )
             )
     return seen
 
