@@ -114,9 +114,7 @@ def expand_glob(pattern: str):
     # a trailing `**`: everything in each folder
     rest = os.path.join(*below) if below else "*"
     # a leading `**`: the folders of the working directory
-    roots = [""]
-    if cut:
-        roots = glob.glob(str(Path(*parts[:cut])))
+    roots = glob.glob(str(Path(*parts[:cut]))) if cut else [""]
     found = []
     for root in roots:
         for folder in walk_once(root):
@@ -539,7 +537,7 @@ def get_args_parser() -> argparse.ArgumentParser:
         help="image, folder, glob or .txt list of paths (relative ones: to the list's folder)",
     )
     parser.add_argument("--classes", nargs="+", type=int, help="keep only these classes")
-    parser.add_argument("--agnostic-nms", action="store_true", help="NMS across classes")
+    add_switches(parser, {"--agnostic-nms": "NMS across classes"})
     parser.add_argument("--batch-size", type=int, default=1, help="per rank, >= 1")
     parser.add_argument(
         "--workers",

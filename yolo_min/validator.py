@@ -65,14 +65,15 @@ def score_image(dataset, index, det, shape, input_hw, protos, cat_ids):
         image_id = int(stem) if stem.isnumeric() else stem
         # [x, y, w, h] from the top left corner
         xywh = box_convert(boxes, "xyxy", "xywh").tolist()
-        for box, (score, cls) in zip(xywh, det[:, 4:6].tolist()):
-            result = {
+        found = [
+            {
                 "image_id": image_id,
                 "category_id": cat_ids[int(cls)],
                 "bbox": [round(v, 3) for v in box],
                 "score": round(score, 5),
             }
-            found.append(result)
+            for box, (score, cls) in zip(xywh, det[:, 4:6].tolist())
+        ]
     if protos is not None:
         gt_masks = ops.polygons_to_masks(gt["polygons"], orig_hw).to(det.device)
         # masks reach a prototype pixel (4 input px) out of their boxes
@@ -125,16 +126,17 @@ def evaluate(model, loader, nms=VAL_NMS, plots_dir=None, save_json=None, coco_id
         input_hw = batch["images"].shape[2:]
         per_image = zip(batch["indices"].tolist(), dets, batch["shapes"], protos)
         for index, det, shape, proto in per_image:
-            record = score_image(
-                loader.dataset,
-                index,
-                det,
-                shape=shape,
-                input_hw=input_hw,
-                protos=proto,
-                cat_ids=cat_ids,
+            records.append(
+                score_image(
+                    loader.dataset,
+                    index,
+                    det,
+                    shape=shape,
+                    input_hw=input_hw,
+                    protos=proto,
+                    cat_ids=cat_ids,
+                )
             )
-            records.append(record)
         if plots_dir is not None and batch_index < 3 and dist.is_main():
             prefix = Path(plots_dir) / f"val_batch{batch_index}"
             plot_batch(batch, dets, protos, prefix=prefix, names=model.names)
