@@ -70,7 +70,7 @@ class Seen(NamedTuple):
     entry: dict
 
 
-def find_images(source: str) -> list[str]:
+def find_images(source: str):
     """The images of a file, folder (sorted, not recursive), glob or .txt list of paths (relative
     ones: to the list's folder, as training's lists), each real file once (its first mention); a
     `**` walks each real folder once, symlinks followed (a folder linked into itself ends)."""
@@ -164,7 +164,7 @@ def source_images(source):
     raise TypeError(f"predict(source): {type(source).__name__} is not {why}")
 
 
-def letterbox(image: torch.Tensor, imgsz: int, stride: int):
+def letterbox(image: torch.Tensor, imgsz, stride):
     """uint8 (h, w, 3) -> (uint8 (3, H, W), ratio_pad): long side to imgsz, centred on 114 grey."""
     h0, w0 = image.shape[:2]
     r = imgsz / max(h0, w0)
@@ -240,8 +240,7 @@ def read(item, imgsz, stride, classify):
         failure = "resizing failed"
         if classify:
             # as ClassifyDataset's validation input, with no boxes to map back
-            planes = image.permute(2, 0, 1)
-            square = TF.center_crop(planes, min(image.shape[:2]))
+            square = TF.center_crop(image.permute(2, 0, 1), min(image.shape[:2]))
             canvas = TF.resize(square, [imgsz, imgsz])
             ratio_pad = None
         else:

@@ -81,7 +81,7 @@ def fitting_model(cfg, weights: dict) -> Model:
     return model
 
 
-def _classifier_cfg(state: dict):
+def _classifier_cfg(state):
     """A yolov5 classifier's config (it pickles none): yolov5n-cls.yaml at its weights' sizes."""
     # Depth: layer 2's bottlenecks / 3; width: layer 0's channels / 64; and the classes.
     bottlenecks = {k.split(".")[3] for k in state if k.startswith("model.2.m.")}
@@ -135,7 +135,7 @@ def read_checked(path: str | Path):
     return obj
 
 
-def check_tree(root, max_bytes: int):
+def check_tree(root, max_bytes):
     """Refuse a cycle, nesting over MAX_DEPTH, a tensor not dense on the CPU, with a zero stride or
     more elements than its storage, tensors of over max_bytes in all (a file never expands)."""
     # Each object is visited once. Tensors are named by the keys above them.

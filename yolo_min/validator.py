@@ -185,7 +185,7 @@ def now(device: torch.device):
     return time.perf_counter()
 
 
-def round_imgsz(imgsz: int, stride: int):
+def round_imgsz(imgsz, stride):
     """imgsz rounded up to a multiple of the stride, with a warning (rank 0) if that changes it."""
     size = make_divisible(imgsz, stride)
     if size != imgsz:
@@ -193,7 +193,7 @@ def round_imgsz(imgsz: int, stride: int):
     return size
 
 
-def speed_line(speed: dict, at: str):
+def speed_line(speed, at):
     """yolov5's "Speed: ..." line of ms per image by STAGES."""
     stages = zip(STAGES, ("pre-process", "inference", "NMS"))
     times = ", ".join(f"{speed[key]:.1f}ms {stage}" for key, stage in stages)
@@ -214,7 +214,7 @@ def plot_batch(batch, dets, protos, prefix: Path, names):
     plots.draw_later(images, preds=preds, masks=masks, fname=f"{prefix}_pred.jpg", names=names)
 
 
-def format_table(res: dict, names: list[str], verbose=False):
+def format_table(res, names, verbose=False):
     """yolov5-style results table: all classes (and each class with verbose)."""
     # classify: images only
     counts = [c for c in ("images", "instances") if c in res]
@@ -231,7 +231,7 @@ def format_table(res: dict, names: list[str], verbose=False):
     return "\n".join(lines)
 
 
-def check_options(options: dict):
+def check_options(options):
     """ConfigError (TypeError for a value that is no number) naming the first option of LIMITS in
     options that is out of its range; NaN is out of every range, None (not given) is skipped."""
     for name, (kind, low, high) in LIMITS.items():
@@ -248,7 +248,7 @@ def check_options(options: dict):
             raise ConfigError(f"{flag} {value}: must be {bounds}")
 
 
-def base_parser(description: str, nms: dict, project: str):
+def base_parser(description, nms: dict, project):
     """The options of val.py and predict.py; nms: the defaults of conf_thres, iou_thres, max_det."""
     # No abbreviations: the Python API takes only whole names, and so does the command line.
     parser = argparse.ArgumentParser(description=description, allow_abbrev=False)
