@@ -90,10 +90,15 @@ def read_yaml(path: str | Path, what=""):
         return yaml.load(text, Loader=_Loader)
     except (yaml.YAMLError, ValueError, RecursionError) as e:
         # ValueError: an integer of over 4300 digits; RecursionError: brackets nested too deep
-        lines = str(e).strip().splitlines()
-        first = lines[0] if lines else type(e).__name__
+        # a stripped message's first line is empty only if the whole message is
+        first = first_line(str(e).strip()) or type(e).__name__
         name = f"{what} {path}".strip()
         raise FileError(f"{name}: not valid YAML ({first[:200]})") from None
+
+
+def first_line(text):
+    """The first line of str(text) ("" if none)."""
+    return (str(text).splitlines() or [""])[0]
 
 
 def replace_file(path: Path, write):

@@ -34,7 +34,7 @@ from . import dist, ops, plots
 from .checkpoint import next_run_dir
 from .cli import ConfigError, parse_kwargs
 from .datasets import to_rgb8
-from .files import READ_NONBLOCKING, replace_file
+from .files import READ_NONBLOCKING, first_line, replace_file
 from .labels import IMG_FORMATS, DataError
 from .models import amp_dtype, make_divisible
 from .safe_load import load_model
@@ -211,11 +211,6 @@ def decode(src):
     if image.dtype != torch.uint8 or image.ndim != 3 or image.shape[2] != 3:
         raise ValueError(f"an array of {image.dtype} {tuple(image.shape)}, not uint8 RGB")
     return image
-
-
-def first_line(text):
-    """The first line of str(text) ("" if none)."""
-    return (str(text).splitlines() or [""])[0]
 
 
 def one_line(e: Exception):

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from .files import first_line
 from .models import Model, load_cfg
 
 
@@ -99,8 +100,7 @@ def one_line_errors(prefix):
         yield
     except Exception as error:
         # Whatever a crafted file leads to (RecursionError, MemoryError, ...) ends here.
-        # its first line
-        why = "".join(str(error).strip().splitlines()[:1])
+        why = first_line(str(error).strip())
         if not isinstance(error, ValueError):
             why = f"{type(error).__name__}: {why}"
         raise CheckpointError(prefix + why[:200]) from None
