@@ -104,7 +104,7 @@ def read_list(path: Path):
     return [str(path.parent / line) for line in lines if line]
 
 
-def expand_glob(pattern: str):
+def expand_glob(pattern):
     """glob.glob(pattern, recursive=True), but each `**` visits each real folder once."""
     parts = Path(pattern).parts
     if "**" not in parts:
@@ -122,7 +122,7 @@ def expand_glob(pattern: str):
     return found
 
 
-def walk_once(root: str):
+def walk_once(root):
     """root ("": the working directory) and the folders below it, but hidden ones (as glob's
     `**`): symlinks followed, each real folder (device, inode) once, the first way it is met."""
     seen = set()
@@ -213,7 +213,7 @@ def decode(src):
     return image
 
 
-def one_line(e: Exception):
+def one_line(e):
     """An exception as `Type: the first line of its message`."""
     return f"{type(e).__name__}: {first_line(e)}"
 
