@@ -20,20 +20,20 @@ KINDS = {
     stat.S_IFBLK: "a block device",
     stat.S_IFSOCK: "a socket",
 }
+# O_NONBLOCK: opening a FIFO returns at once instead of waiting for a writer (Windows has no such
+# flag); os.open's descriptors are not inherited by child processes already (PEP 446)
+READ_NONBLOCKING = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)
 
 
 class FileError(ValueError):
     """A file that cannot be read as the text it should be: one line naming the file."""
 
 
-def read_bytes(path: str | Path, limit: int, what: str = "") -> bytes:
+def read_bytes(path: str | Path, limit: int, what=""):
     """The bytes of a regular file of at most limit bytes; else FileError naming `what path`."""
     name = f"{what} {path}".strip()
-    # O_NONBLOCK: opening a FIFO returns at once instead of waiting for a writer (Windows has no
-    # such flag); os.open's descriptors are not inherited by child processes already (PEP 446)
-    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)
     try:
-        fd = os.open(path, flags)
+        fd = os.open(path, READ_NONBLOCKING)
     except OSError as e:
         raise FileError(f"{name}: cannot open it ({e.strerror})") from None
     mode = os.fstat(fd).st_mode
@@ -52,7 +52,7 @@ def read_bytes(path: str | Path, limit: int, what: str = "") -> bytes:
     return data
 
 
-def read_text(path: str | Path, limit: int, what: str = "", encoding: str = "utf-8") -> str:
+def read_text(path: str | Path, limit: int, what="", encoding="utf-8"):
     """A regular file of at most limit bytes as UTF-8 text; else FileError naming the file."""
     data = read_bytes(path, limit, what)
     try:
@@ -82,7 +82,7 @@ class _Loader(yaml.SafeLoader):
 _Loader.add_implicit_resolver("tag:yaml.org,2002:float", EXPONENT_FLOAT, list("-+.0123456789"))
 
 
-def read_yaml(path: str | Path, what: str = ""):
+def read_yaml(path: str | Path, what=""):
     """The object of a YAML file read by `read_text` (at most MAX_YAML_BYTES) without aliases;
     FileError naming the file if it cannot be read or is not valid YAML."""
     text = read_text(path, MAX_YAML_BYTES, what, encoding="utf-8-sig")
@@ -90,13 +90,18 @@ def read_yaml(path: str | Path, what: str = ""):
         return yaml.load(text, Loader=_Loader)
     except (yaml.YAMLError, ValueError, RecursionError) as e:
         # ValueError: an integer of over 4300 digits; RecursionError: brackets nested too deep
-        lines = str(e).strip().splitlines()
-        first = lines[0] if lines else type(e).__name__
+        # a stripped message's first line is empty only if the whole message is
+        first = first_line(str(e).strip()) or type(e).__name__
         name = f"{what} {path}".strip()
         raise FileError(f"{name}: not valid YAML ({first[:200]})") from None
 
 
-def replace_file(path: Path, write) -> None:
+def first_line(text):
+    """The first line of str(text) ("" if none)."""
+    return (str(text).splitlines() or [""])[0]
+
+
+def replace_file(path: Path, write):
     """write(a temporary file beside path), then rename it over path: a file or link already at
     path is replaced, never written through, and no half-written file is left."""
     # short, whatever path's length; one file at a time in a process

@@ -76,21 +76,21 @@ def draw_batch(images, targets=None, masks=None, *, fname, names=None, preds=Non
     return path
 
 
-def draw_later(*args, **kwargs) -> None:
+def draw_later(*args, **kwargs):
     """draw_batch(*args, **kwargs) in a background thread, so that the run goes on meanwhile (an
     error is a one-line warning, not raised); finish_drawing waits for it."""
     DRAWING.append(threading.Thread(target=_draw_or_warn, args=args, kwargs=kwargs))
     DRAWING[-1].start()
 
 
-def _draw_or_warn(*args, **kwargs) -> None:
+def _draw_or_warn(*args, **kwargs):
     try:
         draw_batch(*args, **kwargs)
     except Exception as e:
         print(f"warning: {kwargs.get('fname')} not drawn: {e}", flush=True)
 
 
-def finish_drawing() -> None:
+def finish_drawing():
     """Wait until the pictures of draw_later are written."""
     while DRAWING:
         DRAWING.pop().join()
@@ -114,12 +114,18 @@ def draw_detections(image, boxes, cls, conf=None, names=None, masks=None, width=
     return image
 
 
-def draw_labels(image: torch.Tensor, boxes, text: list[str], colors: list[str]) -> torch.Tensor:
+def draw_labels(image: torch.Tensor, boxes, text, colors):
     """Each box's text, white on a tab of its colour above the box's top-left corner (inside the
     box where the image ends), in a font that scales with the image: uint8 (3,H,W) -> the same."""
     picture = to_pil_image(image)
     draw = ImageDraw.Draw(picture)
-    font = label_font(sum(picture.size) / 2)
+    # 3.5% of the image's mean side (yolov5's), at least 8 px
+    size = max(round(sum(picture.size) / 2 * 0.035), 8)
+    try:
+        font = ImageFont.load_default(size)
+    except TypeError:
+        # Pillow before 10.1 has one bitmap font of one size.
+        font = ImageFont.load_default()
     for box, label, color in zip(boxes.tolist(), text, colors):
         left, top, right, bottom = draw.textbbox((0, 0), label, font=font)
         # The tab holds the text and a 1 px margin.
@@ -131,13 +137,3 @@ def draw_labels(image: torch.Tensor, boxes, text: list[str], colors: list[str]) 
         origin = (x + 1 - left, y + 1 - top)
         draw.text(origin, label, fill="white", font=font)
     return pil_to_tensor(picture)
-
-
-def label_font(image_size: float) -> ImageFont.ImageFont:
-    """The labels' font: 3.5% of the image's mean side (yolov5's), at least 8 px."""
-    size = max(round(image_size * 0.035), 8)
-    try:
-        return ImageFont.load_default(size)
-    except TypeError:
-        # Pillow before 10.1 has one bitmap font of one size.
-        return ImageFont.load_default()

@@ -34,11 +34,19 @@ from . import dist, ops, plots
 from .checkpoint import next_run_dir
 from .cli import ConfigError, parse_kwargs
 from .datasets import to_rgb8
-from .files import replace_file
+from .files import READ_NONBLOCKING, first_line, replace_file
 from .labels import IMG_FORMATS, DataError
 from .models import amp_dtype, make_divisible
 from .safe_load import load_model
-from .validator import STAGES, base_parser, check_options, infer, round_imgsz, speed_line
+from .validator import (
+    STAGES,
+    add_switches,
+    base_parser,
+    check_options,
+    infer,
+    round_imgsz,
+    speed_line,
+)
 
 # yolov5's detect.py
 PREDICT_NMS = dict(conf_thres=0.25, iou_thres=0.45, max_det=1000)
@@ -62,7 +70,7 @@ class Seen(NamedTuple):
     entry: dict
 
 
-def find_images(source: str) -> list[str]:
+def find_images(source: str):
     """The images of a file, folder (sorted, not recursive), glob or .txt list of paths (relative
     ones: to the list's folder, as training's lists), each real file once (its first mention); a
     `**` walks each real folder once, symlinks followed (a folder linked into itself ends)."""
@@ -86,7 +94,7 @@ def find_images(source: str) -> list[str]:
     return list(unique.values())
 
 
-def read_list(path: Path) -> list[str]:
+def read_list(path: Path):
     """A .txt list's paths, one a line (UTF-8), relative ones joined to the list's folder."""
     try:
         text = path.read_text(encoding="utf-8")
@@ -96,7 +104,7 @@ def read_list(path: Path) -> list[str]:
     return [str(path.parent / line) for line in lines if line]
 
 
-def expand_glob(pattern: str) -> list[str]:
+def expand_glob(pattern):
     """glob.glob(pattern, recursive=True), but each `**` visits each real folder once."""
     parts = Path(pattern).parts
     if "**" not in parts:
@@ -106,9 +114,7 @@ def expand_glob(pattern: str) -> list[str]:
     # a trailing `**`: everything in each folder
     rest = os.path.join(*below) if below else "*"
     # a leading `**`: the folders of the working directory
-    roots = [""]
-    if cut:
-        roots = glob.glob(str(Path(*parts[:cut])))
+    roots = glob.glob(str(Path(*parts[:cut]))) if cut else [""]
     found = []
     for root in roots:
         for folder in walk_once(root):
@@ -116,7 +122,7 @@ def expand_glob(pattern: str) -> list[str]:
     return found
 
 
-def walk_once(root: str) -> list[str]:
+def walk_once(root):
     """root ("": the working directory) and the folders below it, but hidden ones (as glob's
     `**`): symlinks followed, each real folder (device, inode) once, the first way it is met."""
     seen = set()
@@ -134,7 +140,7 @@ def walk_once(root: str) -> list[str]:
     return folders
 
 
-def file_key(path: str):
+def file_key(path):
     """What makes path one real file: its (device, inode), else (missing) its absolute path."""
     try:
         status = os.stat(path)
@@ -144,7 +150,7 @@ def file_key(path: str):
     return (status.st_dev, status.st_ino)
 
 
-def source_images(source) -> list:
+def source_images(source):
     """YOLO.predict's and predict's source as stream's list of images: a path (an image, folder,
     glob or .txt list: find_images), a PIL image or an array (one image), or a list of these
     (each path in it one image)."""
@@ -158,7 +164,7 @@ def source_images(source) -> list:
     raise TypeError(f"predict(source): {type(source).__name__} is not {why}")
 
 
-def letterbox(image: torch.Tensor, imgsz: int, stride: int) -> tuple[torch.Tensor, tuple]:
+def letterbox(image: torch.Tensor, imgsz, stride):
     """uint8 (h, w, 3) -> (uint8 (3, H, W), ratio_pad): long side to imgsz, centred on 114 grey."""
     h0, w0 = image.shape[:2]
     r = imgsz / max(h0, w0)
@@ -181,16 +187,14 @@ def letterbox(image: torch.Tensor, imgsz: int, stride: int) -> tuple[torch.Tenso
     return canvas, ((r, r), pad)
 
 
-def decode(src) -> torch.Tensor:
+def decode(src):
     """A path (a regular file within PIL's pixel limit), PIL image or array -> uint8 (h, w, 3):
     EXIF-rotated, 8-bit RGB (to_rgb8: 16-bit and float images scaled, not clipped)."""
-    if isinstance(src, np.ndarray):
-        image = torch.from_numpy(np.array(src))
-    elif isinstance(src, Image.Image):
-        image = rgb8_tensor(src)
-    else:
+    if isinstance(src, Image.Image):
+        src = to_rgb8(ImageOps.exif_transpose(src))
+    elif not isinstance(src, np.ndarray):
         # without O_NONBLOCK, opening a FIFO waits for a writer, perhaps forever
-        descriptor = os.open(src, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        descriptor = os.open(src, READ_NONBLOCKING)
         with os.fdopen(descriptor, "rb") as file:
             # a FIFO, socket or device could block forever or never end
             if not stat.S_ISREG(os.fstat(descriptor).st_mode):
@@ -201,28 +205,20 @@ def decode(src) -> torch.Tensor:
             # PIL only warns below twice its limit: gigabytes to decode
             if limit and width * height > limit:
                 raise ValueError(f"{width}x{height} pixels, more than PIL's limit of {limit:,}")
-            image = rgb8_tensor(opened)
+            # decoded while the file is open
+            return decode(opened)
+    image = torch.from_numpy(np.array(src))
     if image.dtype != torch.uint8 or image.ndim != 3 or image.shape[2] != 3:
         raise ValueError(f"an array of {image.dtype} {tuple(image.shape)}, not uint8 RGB")
     return image
 
 
-def rgb8_tensor(picture: Image.Image) -> torch.Tensor:
-    """A PIL image -> uint8 (h, w, 3), EXIF-rotated, as to_rgb8 makes it."""
-    return torch.from_numpy(np.array(to_rgb8(ImageOps.exif_transpose(picture))))
-
-
-def first_line(text) -> str:
-    """The first line of str(text) ("" if none)."""
-    return (str(text).splitlines() or [""])[0]
-
-
-def one_line(e: Exception) -> str:
+def one_line(e):
     """An exception as `Type: the first line of its message`."""
     return f"{type(e).__name__}: {first_line(e)}"
 
 
-def read(item: tuple, imgsz: int, stride: int, classify: bool) -> dict:
+def read(item, imgsz, stride, classify):
     """(index, a path, PIL image or uint8 (h, w, 3) RGB array) -> {"index", "path", "image"
     (decode's), "input" (letterboxed; classify: centre square), "ratio_pad", "warnings" (PIL's
     while decoding, each naming the image)} or {"index", "path", "error"}; it never raises."""
@@ -239,8 +235,7 @@ def read(item: tuple, imgsz: int, stride: int, classify: bool) -> dict:
         failure = "resizing failed"
         if classify:
             # as ClassifyDataset's validation input, with no boxes to map back
-            planes = image.permute(2, 0, 1)
-            square = TF.center_crop(planes, min(image.shape[:2]))
+            square = TF.center_crop(image.permute(2, 0, 1), min(image.shape[:2]))
             canvas = TF.resize(square, [imgsz, imgsz])
             ratio_pad = None
         else:
@@ -252,7 +247,7 @@ def read(item: tuple, imgsz: int, stride: int, classify: bool) -> dict:
     return sample | dict(image=image, input=canvas, ratio_pad=ratio_pad, warnings=notes)
 
 
-def by_shape(samples, batch_size: int):
+def by_shape(samples, batch_size):
     """Lists of up to batch_size samples of one input shape, each once full; errors alone."""
     pending = {}
     for sample in samples:
@@ -276,7 +271,6 @@ def stream(model, images, imgsz=640, batch_size=1, workers=0, polygons=False, am
     warning is also issued as an ImageWarning."""
     was_training = model.training
     model.eval()
-    options = PREDICT_NMS | nms
     try:
         stride = int(model.stride.max())
         classify = model.task == "classify"
@@ -291,7 +285,7 @@ def stream(model, images, imgsz=640, batch_size=1, workers=0, polygons=False, am
                 yield group[0]
                 continue
             inputs = torch.stack([sample["input"] for sample in group])
-            dets, protos, seconds = infer(model, inputs, options, amp)
+            dets, protos, seconds = infer(model, inputs, PREDICT_NMS | nms, amp)
             if classify:
                 # each image's class probabilities
                 dets = dets.softmax(1).cpu()
@@ -347,7 +341,7 @@ def stream_args(model, images, args: argparse.Namespace, amp):
     )
 
 
-def to_original(det, protos, sample: dict, input_hw, polygons: bool) -> dict:
+def to_original(det, protos, sample, input_hw, polygons):
     """Detections (n, 6+nm) on the input, prototypes or None -> stream's boxes, masks, polygons."""
     h, w = sample["image"].shape[:2]
     ratio_pad = sample["ratio_pad"]
@@ -357,7 +351,7 @@ def to_original(det, protos, sample: dict, input_hw, polygons: bool) -> dict:
     out = dict(boxes=rows, masks=None)
     if protos is None:
         return out
-    masks = ops.process_mask(protos, coefs=det[:, 6:], boxes=det[:, :4], input_hw=input_hw)
+    masks = ops.process_mask(protos, det[:, 6:], det[:, :4], input_hw=input_hw)
     out["masks"] = ops.scale_masks(masks, ratio_pad, (h, w)).cpu()
     if polygons:
         # traced at input resolution, as yolov5 does
@@ -367,7 +361,7 @@ def to_original(det, protos, sample: dict, input_hw, polygons: bool) -> dict:
     return out
 
 
-def predict(model, images, **options) -> list[dict]:
+def predict(model, images, **options):
     """`stream`'s results in the order of the images; model: a Model (its train or eval mode
     kept) or a weights file; images: as source_images takes them (a path is one source, as
     predict.py's --source). The numeric options are checked first (ValueError naming one)."""
@@ -377,13 +371,13 @@ def predict(model, images, **options) -> list[dict]:
     return sorted(stream(model, source_images(images), **options), key=lambda r: r["index"])
 
 
-def top5(result: dict) -> list[tuple[int, float]]:
+def top5(result):
     """A classifier's 5 likeliest (class, probability), likeliest first."""
     probs, classes = result["probs"].sort(descending=True)
-    return [(int(c), float(p)) for p, c in zip(probs, classes)][:5]
+    return list(zip(classes[:5].tolist(), probs[:5].tolist()))
 
 
-def draw(result: dict, line_width=None, labels=True, conf=True) -> Image.Image:
+def draw(result, line_width=None, labels=True, conf=True):
     """A result pictured as yolov5 does: masks, boxes labelled "name conf", or the top 5 classes."""
     if "probs" in result:
         picture = Image.fromarray(result["image"].numpy())
@@ -406,10 +400,10 @@ def draw(result: dict, line_width=None, labels=True, conf=True) -> Image.Image:
         width=width,
         labels=labels,
     )
-    return Image.fromarray(drawn.permute(1, 2, 0).numpy())
+    return TF.to_pil_image(drawn)
 
 
-def label_lines(result: dict, conf: bool) -> str:
+def label_lines(result, conf):
     """yolov5's --save-txt lines, lowest conf first, normalised: `cls xc yc w h [conf]`, segment
     `cls x1 y1 x2 y2 ... [conf]` (the mask's outer polygon); classify `prob name` (the top 5)."""
     if "probs" in result:
@@ -430,7 +424,7 @@ def label_lines(result: dict, conf: bool) -> str:
     return "".join(reversed(lines))
 
 
-def json_entry(result: dict) -> dict:
+def json_entry(result):
     """--save-json's entry: file, size, detections (box xyxy, mask as COCO RLE) or top 5 classes."""
     height, width = result["image"].shape[:2]
     entry = dict(file=result["path"], width=width, height=height)
@@ -449,14 +443,17 @@ def json_entry(result: dict) -> dict:
     return entry | dict(detections=detections)
 
 
-def crop_folders(names) -> list[str]:
+def crop_folders(names):
     """--save-crop's folder under crops/ for each class: its name made one safe path component
-    (safe_name; an empty one: class<k>), with _<k> (its class index k) added while another class
-    has that folder already (names that differ only in case share one on some file systems)."""
+    (/ \\ : * ? " < > | and control characters as _, leading and trailing dots and spaces dropped,
+    so no `.` or `..`, at most MAX_FOLDER_BYTES in UTF-8; an empty one: class<k>), with _<k> (its
+    class index k) added while another class has that folder already (names that differ only in
+    case share one on some file systems)."""
     folders = []
     taken = set()
     for k, name in enumerate(names):
-        folder = safe_name(str(name)) or f"class{k}"
+        clean = UNSAFE_CHARACTERS.sub("_", str(name)).strip(" .")
+        folder = clean.encode()[:MAX_FOLDER_BYTES].decode(errors="ignore") or f"class{k}"
         while folder.casefold() in taken:
             folder = f"{folder}_{k}"
         taken.add(folder.casefold())
@@ -464,14 +461,7 @@ def crop_folders(names) -> list[str]:
     return folders
 
 
-def safe_name(name: str) -> str:
-    """name as a single file name: / \\ : * ? " < > | and control characters as _, leading and
-    trailing dots and spaces dropped (no `.` or `..`), at most MAX_FOLDER_BYTES in UTF-8."""
-    clean = UNSAFE_CHARACTERS.sub("_", name).strip(" .")
-    return clean.encode()[:MAX_FOLDER_BYTES].decode(errors="ignore")
-
-
-def output_stems(files: list[str]) -> list[str]:
+def output_stems(files):
     """The name each source file's outputs take (<stem>.<ext>, labels/<stem>.txt, crops
     <stem>_<k>.jpg): its stem, with _2, _3, ... added to a stem met before in the source's order
     (also one met in another case), so that no output replaces another."""
@@ -489,7 +479,7 @@ def output_stems(files: list[str]) -> list[str]:
     return stems
 
 
-def check_run_folder(save_dir: Path, files: list[str], source: str) -> None:
+def check_run_folder(save_dir: Path, files, source):
     """ConfigError if the run folder holds a source image (or the .txt list), by the path given
     or the file it links to: predicting into it would replace the user's images."""
     run = Path(os.path.realpath(save_dir))
@@ -504,19 +494,11 @@ def check_run_folder(save_dir: Path, files: list[str], source: str) -> None:
             raise ConfigError(f"--project/--name: {why}; predict into another folder")
 
 
-def crop_box(box: list, size: tuple) -> list[int]:
-    """A box xyxy in whole pixels as a crop inside an image of size (width, height), at least
-    1 x 1 (PIL writes no empty image)."""
-    limit = np.array(size)
-    start = np.clip(box[:2], 0, limit - 1)
-    end = np.clip(box[2:], start + 1, limit)
-    return [int(v) for v in (*start, *end)]
-
-
-def save(result: dict, save_dir: Path, args, stem: str, folders: list[str]) -> None:
+def save(result, save_dir: Path, args, stem, folders):
     """An image's outputs under stem (output_stems): its drawing <stem>.<ext>, labels/<stem>.txt
     (if it has detections) and crops/<folders[class]>/<stem>_<k>.jpg."""
-    ext = Path(result["path"]).name.rpartition(".")[2]
+    # find_images' extension: what follows the last dot
+    ext = result["path"].rpartition(".")[2]
     boxes = result.get("boxes", torch.zeros(0, 6))
     if not args.nosave:
         picture = draw(
@@ -530,8 +512,12 @@ def save(result: dict, save_dir: Path, args, stem: str, folders: list[str]) -> N
     if not args.save_crop:
         return
     image = Image.fromarray(result["image"].numpy())
+    limit = np.array(image.size)
     for k, (*box, _, cls) in enumerate(boxes.tolist()):
-        crop = image.crop(crop_box(box, image.size))
+        # the box in whole pixels inside the image, at least 1 x 1 (PIL writes no empty image)
+        start = np.clip(box[:2], 0, limit - 1)
+        end = np.clip(box[2:], start + 1, limit)
+        crop = image.crop([int(v) for v in (*start, *end)])
         folder = save_dir / "crops" / folders[int(cls)]
         folder.mkdir(parents=True, exist_ok=True)
         replace_file(folder / f"{stem}_{k}.jpg", crop.save)
@@ -545,7 +531,7 @@ def get_args_parser() -> argparse.ArgumentParser:
         help="image, folder, glob or .txt list of paths (relative ones: to the list's folder)",
     )
     parser.add_argument("--classes", nargs="+", type=int, help="keep only these classes")
-    parser.add_argument("--agnostic-nms", action="store_true", help="NMS across classes")
+    add_switches(parser, {"--agnostic-nms": "NMS across classes"})
     parser.add_argument("--batch-size", type=int, default=1, help="per rank, >= 1")
     parser.add_argument(
         "--workers",
@@ -553,26 +539,22 @@ def get_args_parser() -> argparse.ArgumentParser:
         default=0,
         help="image decoding processes per rank, >= 0 (at most the CPUs)",
     )
-    parser.add_argument(
-        "--save-txt",
-        action="store_true",
-        help="labels/<image>.txt, yolov5's format (a repeated image name: <image>_2, _3, ...)",
-    )
-    parser.add_argument("--save-conf", action="store_true", help="confidences in --save-txt labels")
-    parser.add_argument(
-        "--save-crop",
-        action="store_true",
-        help="crops/<class>/<image>_<k>.jpg; <class>: the class name as one safe folder name"
+    outputs = {
+        "--save-txt": "labels/<image>.txt, yolov5's format"
+        " (a repeated image name: <image>_2, _3, ...)",
+        "--save-conf": "confidences in --save-txt labels",
+        "--save-crop": "crops/<class>/<image>_<k>.jpg;"
+        " <class>: the class name as one safe folder name"
         ' (/ \\ : * ? " < > | and control characters as _, no leading or trailing dots'
         " or spaces; empty: class<index>; _<index> added if two classes would share one)",
-    )
-    parser.add_argument("--save-json", action="store_true", help="predictions.json for the source")
-    parser.add_argument("--nosave", action="store_true", help="no annotated images")
+        "--save-json": "predictions.json for the source",
+        "--nosave": "no annotated images",
+    }
+    add_switches(parser, outputs)
     parser.add_argument(
         "--line-width", type=int, help="box width in pixels, >= 1 (default: by size)"
     )
-    parser.add_argument("--hide-labels", action="store_true")
-    parser.add_argument("--hide-conf", action="store_true")
+    add_switches(parser, {"--hide-labels": None, "--hide-conf": None})
     return parser
 
 
@@ -584,7 +566,7 @@ def predict_amp(device: torch.device, amp: str) -> torch.dtype | None:
     return amp_dtype(device, amp)
 
 
-def main(args: argparse.Namespace) -> dict:
+def main(args: argparse.Namespace):
     """Predict --source, sharded -> {"save_dir", "images", "skipped", "detections", "speed"}. The
     options, the source and the run folder are checked before the model is loaded."""
     # before the process group and the model: a bad number costs nothing
@@ -641,7 +623,7 @@ def main(args: argparse.Namespace) -> dict:
         dist.cleanup()
 
 
-def predict_share(model, args, info, files, stems, save_dir: Path, amp) -> list[Seen]:
+def predict_share(model, args, info, files, stems, save_dir: Path, amp):
     """This rank's files predicted and saved, each one's warnings printed -> those seen; an image
     that failed (its result's error, or saving) is named and skipped."""
     folders = crop_folders(model.names)
@@ -671,14 +653,17 @@ def predict_share(model, args, info, files, stems, save_dir: Path, amp) -> list[
                 # named and skipped: the run goes on
                 print(f"WARNING {result['path']}: {result['error']}; skipped", flush=True)
                 continue
-            place = info.rank + result["index"] * info.world_size
-            detections = len(result.get("boxes", ()))
             seen.append(
-                Seen(place=place, detections=detections, speed=result["speed"], entry=entry)
+                Seen(
+                    place=info.rank + result["index"] * info.world_size,
+                    detections=len(result.get("boxes", ())),
+                    speed=result["speed"],
+                    entry=entry,
+                )
             )
     return seen
 
 
-def run(**kwargs) -> dict:
+def run(**kwargs):
     """predict.py from Python: `run(weights="best.pt", source="images/")` returns main's dict."""
     return main(parse_kwargs(get_args_parser(), kwargs))

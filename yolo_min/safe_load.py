@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from .files import first_line
 from .models import Model, load_cfg
 
 
@@ -81,7 +82,7 @@ def fitting_model(cfg, weights: dict) -> Model:
     return model
 
 
-def _classifier_cfg(state: dict) -> dict:
+def _classifier_cfg(state):
     """A yolov5 classifier's config (it pickles none): yolov5n-cls.yaml at its weights' sizes."""
     # Depth: layer 2's bottlenecks / 3; width: layer 0's channels / 64; and the classes.
     bottlenecks = {k.split(".")[3] for k in state if k.startswith("model.2.m.")}
@@ -93,14 +94,13 @@ def _classifier_cfg(state: dict) -> dict:
 
 
 @contextlib.contextmanager
-def one_line_errors(prefix: str):
+def one_line_errors(prefix):
     """Any exception in the block as a CheckpointError: prefix, then one short line."""
     try:
         yield
     except Exception as error:
         # Whatever a crafted file leads to (RecursionError, MemoryError, ...) ends here.
-        # its first line
-        why = "".join(str(error).strip().splitlines()[:1])
+        why = first_line(str(error).strip())
         if not isinstance(error, ValueError):
             why = f"{type(error).__name__}: {why}"
         raise CheckpointError(prefix + why[:200]) from None
@@ -135,7 +135,7 @@ def read_checked(path: str | Path):
     return obj
 
 
-def check_tree(root, max_bytes: int) -> None:
+def check_tree(root, max_bytes):
     """Refuse a cycle, nesting over MAX_DEPTH, a tensor not dense on the CPU, with a zero stride or
     more elements than its storage, tensors of over max_bytes in all (a file never expands)."""
     # Each object is visited once. Tensors are named by the keys above them.
@@ -194,7 +194,7 @@ MEMO_PUTS = ("PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE")
 COPY_PUSHES = ("GET", "BINGET", "LONG_BINGET", "DUP")
 
 
-def check_tuples(pkl: bytes) -> None:
+def check_tuples(pkl: bytes):
     """Refuse a pickle building a tuple of over MAX_TUPLES tuples, or 1000 times that in all."""
     # Hashing such dict keys would hang or crash; shared tuples are counted each time. This
     # follows the opcodes' stack effects: each stack value is the number of tuples an object holds.
@@ -261,7 +261,7 @@ class _Pickle:
             raise CheckpointError(f"refusing '{module}.{name}': not a yolov5 or tensor type")
 
 
-def _record_state_dict(root: _Record) -> dict[str, torch.Tensor]:
+def _record_state_dict(root: _Record):
     """Parameters and persistent buffers of a pickled module tree, with yolov5's key names."""
     state = {}
     # Each module is visited once: yolov5's share a SiLU.

@@ -42,7 +42,7 @@ LIMITS = {
 }
 
 
-def preprocess(images: torch.Tensor, device: torch.device, normalize=False) -> torch.Tensor:
+def preprocess(images: torch.Tensor, device: torch.device, normalize=False):
     """uint8 (bs, 3, H, W) -> float in [0, 1] on the device (normalize: ImageNet-standardised)."""
     x = images.to(device, non_blocking=True).float() / 255
     if normalize:
@@ -50,7 +50,7 @@ def preprocess(images: torch.Tensor, device: torch.device, normalize=False) -> t
     return x
 
 
-def score_image(dataset, index: int, det, shape, input_hw, protos, cat_ids) -> dict:
+def score_image(dataset, index, det, shape, input_hw, protos, cat_ids):
     """metrics.image_record of det (n, 6+nm) [xyxy input px, conf, cls, coefs], shape (orig_hw,
     ratio_pad), protos (nm, H/4, W/4) or None; "json": COCO results if cat_ids (an id per class)."""
     gt = dataset.ground_truth(index)
@@ -65,14 +65,15 @@ def score_image(dataset, index: int, det, shape, input_hw, protos, cat_ids) -> d
         image_id = int(stem) if stem.isnumeric() else stem
         # [x, y, w, h] from the top left corner
         xywh = box_convert(boxes, "xyxy", "xywh").tolist()
-        for box, (score, cls) in zip(xywh, det[:, 4:6].tolist()):
-            result = {
+        found = [
+            {
                 "image_id": image_id,
                 "category_id": cat_ids[int(cls)],
                 "bbox": [round(v, 3) for v in box],
                 "score": round(score, 5),
             }
-            found.append(result)
+            for box, (score, cls) in zip(xywh, det[:, 4:6].tolist())
+        ]
     if protos is not None:
         gt_masks = ops.polygons_to_masks(gt["polygons"], orig_hw).to(det.device)
         # masks reach a prototype pixel (4 input px) out of their boxes
@@ -125,16 +126,17 @@ def evaluate(model, loader, nms=VAL_NMS, plots_dir=None, save_json=None, coco_id
         input_hw = batch["images"].shape[2:]
         per_image = zip(batch["indices"].tolist(), dets, batch["shapes"], protos)
         for index, det, shape, proto in per_image:
-            record = score_image(
-                loader.dataset,
-                index,
-                det,
-                shape=shape,
-                input_hw=input_hw,
-                protos=proto,
-                cat_ids=cat_ids,
+            records.append(
+                score_image(
+                    loader.dataset,
+                    index,
+                    det,
+                    shape=shape,
+                    input_hw=input_hw,
+                    protos=proto,
+                    cat_ids=cat_ids,
+                )
             )
-            records.append(record)
         if plots_dir is not None and batch_index < 3 and dist.is_main():
             prefix = Path(plots_dir) / f"val_batch{batch_index}"
             plot_batch(batch, dets, protos, prefix=prefix, names=model.names)
@@ -156,7 +158,7 @@ def evaluate(model, loader, nms=VAL_NMS, plots_dir=None, save_json=None, coco_id
     return results
 
 
-def infer(model, images: torch.Tensor, nms: dict, amp) -> tuple:
+def infer(model, images: torch.Tensor, nms: dict, amp):
     """An eval-mode Model on uint8 images (bs, 3, H, W) -> (float logits (bs, nc) of a classifier,
     else NMS's detections per image; each image's prototypes (nm, H/4, W/4) or None; seconds)."""
     device = next(model.parameters()).device
@@ -176,14 +178,14 @@ def infer(model, images: torch.Tensor, nms: dict, amp) -> tuple:
     return dets, protos, seconds
 
 
-def now(device: torch.device) -> float:
+def now(device: torch.device):
     """time.perf_counter() once the device's queued work is done."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
 
 
-def round_imgsz(imgsz: int, stride: int) -> int:
+def round_imgsz(imgsz, stride):
     """imgsz rounded up to a multiple of the stride, with a warning (rank 0) if that changes it."""
     size = make_divisible(imgsz, stride)
     if size != imgsz:
@@ -191,14 +193,14 @@ def round_imgsz(imgsz: int, stride: int) -> int:
     return size
 
 
-def speed_line(speed: dict, at: str) -> str:
+def speed_line(speed, at):
     """yolov5's "Speed: ..." line of ms per image by STAGES."""
     stages = zip(STAGES, ("pre-process", "inference", "NMS"))
     times = ", ".join(f"{speed[key]:.1f}ms {stage}" for key, stage in stages)
     return f"Speed: {times} per image at {at}"
 
 
-def plot_batch(batch: dict, dets: list, protos, prefix: Path, names: list) -> None:
+def plot_batch(batch, dets, protos, prefix: Path, names):
     """A batch's labels and predictions (conf >= 0.25): prefix_labels.jpg, prefix_pred.jpg."""
     images = batch["images"]
     labels = f"{prefix}_labels.jpg"
@@ -212,7 +214,7 @@ def plot_batch(batch: dict, dets: list, protos, prefix: Path, names: list) -> No
     plots.draw_later(images, preds=preds, masks=masks, fname=f"{prefix}_pred.jpg", names=names)
 
 
-def format_table(res: dict, names: list[str], verbose: bool = False) -> str:
+def format_table(res, names, verbose=False):
     """yolov5-style results table: all classes (and each class with verbose)."""
     # classify: images only
     counts = [c for c in ("images", "instances") if c in res]
@@ -229,7 +231,7 @@ def format_table(res: dict, names: list[str], verbose: bool = False) -> str:
     return "\n".join(lines)
 
 
-def check_options(options: dict) -> None:
+def check_options(options):
     """ConfigError (TypeError for a value that is no number) naming the first option of LIMITS in
     options that is out of its range; NaN is out of every range, None (not given) is skipped."""
     for name, (kind, low, high) in LIMITS.items():
@@ -246,7 +248,7 @@ def check_options(options: dict) -> None:
             raise ConfigError(f"{flag} {value}: must be {bounds}")
 
 
-def base_parser(description: str, nms: dict, project: str) -> argparse.ArgumentParser:
+def base_parser(description, nms: dict, project):
     """The options of val.py and predict.py; nms: the defaults of conf_thres, iou_thres, max_det."""
     # No abbreviations: the Python API takes only whole names, and so does the command line.
     parser = argparse.ArgumentParser(description=description, allow_abbrev=False)
@@ -279,12 +281,17 @@ def get_args_parser() -> argparse.ArgumentParser:
         "--plots": "save label/prediction images",
         "--verbose": "per-class table",
     }
-    for flag, text in switches.items():
-        parser.add_argument(flag, action="store_true", help=text)
+    add_switches(parser, switches)
     return parser
 
 
-def main(args: argparse.Namespace, model=None) -> dict:
+def add_switches(parser: argparse.ArgumentParser, switches: dict):
+    """A store_true option for each flag of switches, with its help text (None: none)."""
+    for flag, text in switches.items():
+        parser.add_argument(flag, action="store_true", help=text)
+
+
+def main(args: argparse.Namespace, model=None):
     """Validate the model (YOLO.val), else --weights; rank 0 prints the table and writes
     metrics.json. Returns evaluate's metrics."""
     # before the process group and the model: a bad number costs nothing
@@ -322,7 +329,7 @@ def main(args: argparse.Namespace, model=None) -> dict:
         dist.cleanup()
 
 
-def build_loader(args, model, imgsz: int, info):
+def build_loader(args, model, imgsz, info):
     """A loader of this rank's shard of --data's val split, the data checked against the model
     (task, classes) first; the model takes the data's class names."""
     verbose = info.rank == 0
@@ -364,6 +371,6 @@ def build_loader(args, model, imgsz: int, info):
     return loader
 
 
-def run(**kwargs) -> dict:
+def run(**kwargs):
     """val.py from Python: `val.run(weights="best.pt", data="coco128.yaml")` returns main's."""
     return main(parse_kwargs(get_args_parser(), kwargs))
