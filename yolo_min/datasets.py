@@ -36,7 +36,7 @@ IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
-def load_data_config(path: str) -> dict:
+def load_data_config(path):
     """Dataset yaml (folder: load_folder_data) -> {yaml_file, path, names: [str], nc, train: [str],
     val: [str]}. 'shapes', 'shapes-cls': embedded, made on first use (on local rank 0 first)."""
     config = Path(path)
@@ -84,14 +84,14 @@ def load_data_config(path: str) -> dict:
     return data
 
 
-def check_task(data: dict, task: str) -> None:
+def check_task(data, task):
     """DataError unless load_data_config's data suits the task: class folders for classify."""
     if (task == "classify") == ("yaml_file" in data):
         need = "a folder: root/train/<class>/" if task == "classify" else "a data yaml"
         raise DataError(f"{data['path']}: a {task} model needs {need}")
 
 
-def load_folder_data(root: Path) -> dict:
+def load_folder_data(root: Path):
     """Classification data root/{train,val or test}/<class>/* -> {path, names, nc, train, val}."""
     train = root / "train"
     val = root / ("val" if (root / "val").is_dir() else "test")
@@ -112,7 +112,7 @@ def load_folder_data(root: Path) -> dict:
     )
 
 
-def available_memory() -> int:
+def available_memory():
     """Bytes of memory available for new allocations (Linux MemAvailable); 0 where unknown."""
     try:
         text = Path("/proc/meminfo").read_text()
@@ -121,7 +121,7 @@ def available_memory() -> int:
         return 0
 
 
-def cache_in_ram(load, count: int, size: int, cache, local_world_size: int, prefix, verbose):
+def cache_in_ram(load, count, size, cache, local_world_size, prefix, verbose):
     """[load(i) for i in range(count)] decoded on threads when --cache says so, else None. size:
     their bytes; "ram": always (DataError if this node's processes would not fit), "auto": if
     they need under 10% of the available memory, any other value: never."""
@@ -152,18 +152,18 @@ class YOLODataset(Dataset):
     def __init__(
         self,
         sources,
-        imgsz: int = 640,
-        augment: bool = False,
+        imgsz=640,
+        augment=False,
         hyp: dict | None = None,
-        task: str = "detect",
-        rect: bool = False,
-        batch_size: int = 16,
-        stride: int = 32,
+        task="detect",
+        rect=False,
+        batch_size=16,
+        stride=32,
         cache: str | None = None,
-        prefix: str = "",
+        prefix="",
         nc: int | None = None,
-        verbose: bool = True,
-        local_world_size: int = 1,
+        verbose=True,
+        local_world_size=1,
     ):
         if augment and hyp is None:
             raise ValueError("augment=True needs hyp (e.g. yolo_min/cfg/hyp.scratch-low.yaml)")
@@ -213,15 +213,15 @@ class YOLODataset(Dataset):
         relative = np.stack([height, width], 1)
         return np.ceil(relative * self.imgsz / stride + 0.5).astype(int) * stride
 
-    def check_polygons(self) -> None:
+    def check_polygons(self):
         """DataError unless some label is a polygon (from boxes alone masks would be rectangles)."""
         if not any(len(label["segments"]) for label in self.labels):
             raise DataError(f"{self.prefix}a segmentation model needs polygon labels: boxes only")
 
-    def __len__(self) -> int:
+    def __len__(self):
         return len(self.im_files)
 
-    def load_image(self, i: int, scale: float = 1.0, wh=None) -> tuple[torch.Tensor, tuple]:
+    def load_image(self, i, scale=1.0, wh=None):
         """Image i, uint8 (h,w,3) RGB: cached, else at >= scale x its size (JPEG draft) and resized
         to wh (w, h) if given; and its (sx, sy) scale."""
         path = self.im_files[i]
@@ -275,7 +275,7 @@ class YOLODataset(Dataset):
             pieces.append(Piece(index=k, r=r, ox=x0, oy=y0, clip=clip))
         return pieces, (2 * size, 2 * size)
 
-    def __getitem__(self, key: int | tuple) -> dict:
+    def __getitem__(self, key):
         """key: an index, or (seed, epoch, index) from EpochSampler: seeds the augmentation."""
         i = key
         if isinstance(key, tuple):
@@ -331,7 +331,7 @@ class YOLODataset(Dataset):
             index=i,
         )
 
-    def ground_truth(self, i: int) -> dict:
+    def ground_truth(self, i):
         """Labels of image i in ORIGINAL pixels: cls (n,) int64, boxes (n,4) xyxy float32, polygons
         [(k,2) float32] (rectangles of box rows for segment data; [] for detect data)."""
         label = self.labels[i]
@@ -371,7 +371,7 @@ def to_rgb8(image: Image.Image) -> Image.Image:
     return Image.fromarray(np.clip(grey, 0, 255).astype(np.uint8), "L").convert("RGB")
 
 
-def load_rgb(path: str, scale: float = 1.0) -> Image.Image:
+def load_rgb(path, scale=1.0) -> Image.Image:
     """An image file as 8-bit RGB (to_rgb8), turned as its EXIF orientation says; decoded at >=
     scale x its size where the format can (a JPEG draft)."""
     image = Image.open(path)
@@ -439,20 +439,20 @@ class ClassifyDataset(ImageFolder):
         # in find_classes' order: by name, and so by class
         folders = {os.path.join(directory, name): k for name, k in class_to_idx.items()}
         self.walk.claim([directory, *folders])
-        samples = []
-        for folder, k in folders.items():
-            for f in self.walk.files(folder):
-                # ImageFolder's IMG_EXTENSIONS
-                if f.lower().endswith(extensions):
-                    samples.append((f, k))
-        return samples
+        # ImageFolder's IMG_EXTENSIONS
+        return [
+            (f, k)
+            for folder, k in folders.items()
+            for f in self.walk.files(folder)
+            if f.lower().endswith(extensions)
+        ]
 
-    def load(self, i: int) -> tuple[torch.Tensor, tuple]:
+    def load(self, i):
         """(sample i's image as self.transform makes it, the original (h, w))."""
         image = load_rgb(self.samples[i][0])
         return self.transform(image), (image.height, image.width)
 
-    def __getitem__(self, key: int | tuple) -> dict:
+    def __getitem__(self, key):
         """key: an index, or EpochSampler's (seed, epoch, index): the same sample for any (the
         trainer augments batches, cls_augment)."""
         i = key[2] if isinstance(key, tuple) else key
@@ -467,31 +467,24 @@ class ClassifyDataset(ImageFolder):
         )
 
 
-def collate(samples: list[dict]) -> dict:
+def collate(samples):
     """Samples -> batch: images uint8 (bs,3,H,W); targets float32 (N,6) [image, cls, cx, cy, w, h]
     (classify: int64 (bs,2)); masks float32 (bs,H/4,W/4) or None; shapes; indices (bs,)."""
-    images = torch.stack([s["image"] for s in samples])
     # each target row led by its image's index in the batch
     rows = [F.pad(s["targets"], (1, 0), value=k) for k, s in enumerate(samples)]
     masks = None
     if samples[0]["masks"] is not None:
         masks = torch.stack([s["masks"] for s in samples]).float()
-    indices = torch.tensor([s["index"] for s in samples])
     return dict(
-        images=images,
+        images=torch.stack([s["image"] for s in samples]),
         targets=torch.cat(rows),
         masks=masks,
-        indices=indices,
+        indices=torch.tensor([s["index"] for s in samples]),
         shapes=[s["shape"] for s in samples],
     )
 
 
-def shard_batches(
-    n: int,
-    batch_size: int,
-    rank: int,
-    world_size: int,
-) -> list[list[int]]:
+def shard_batches(n, batch_size, rank, world_size):
     """This rank's validation batches: consecutive batches dealt round-robin, none padded."""
     starts = range(rank * batch_size, n, world_size * batch_size)
     return [list(range(start, min(start + batch_size, n))) for start in starts]
@@ -504,7 +497,7 @@ class EpochSampler(DistributedSampler):
         return ((self.seed, self.epoch, i) for i in super().__iter__())
 
 
-def yield_cpu(worker_id: int) -> None:
+def yield_cpu(worker_id):
     """Data workers at the lowest priority, quiet when the run is stopped (worker_init_fn)."""
     # Ctrl-C and `kill -TERM -pgid` (timeout, systemd, SLURM) reach the whole process group: the
     # main process says it once and ends the workers; a worker neither prints a traceback nor dies
@@ -527,7 +520,7 @@ def build_dataloader(
     seed=0,
     local_world_size=1,
     drop_single=False,
-) -> tuple:
+):
     """-> (DataLoader, sampler): shuffle: a seeded EpochSampler (call set_epoch), else batches.
     drop_single: a shuffled epoch's last batch is dropped if it would hold a single image."""
     # the cores this process may run on, where the system says (Linux)
