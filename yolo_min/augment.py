@@ -250,7 +250,7 @@ def hsv_jitter(img: torch.Tensor, hyp) -> torch.Tensor:
     red, green, blue = map(Image.fromarray, img.numpy())
     # Saturation: a blend with the grey of V = max(R, G, B).
     value = ImageChops.lighter(ImageChops.lighter(red, green), blue)
-    grey = Image.merge("RGB", (value, value, value))
+    grey = Image.merge("RGB", (value,) * 3)
     colour = Image.merge("RGB", (red, green, blue))
     image = Image.blend(grey, colour, saturation_gain)
     # Hue: a rotation about the grey axis (1, 1, 1) (Rodrigues' formula), within 2.7 degrees of

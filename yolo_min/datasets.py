@@ -69,7 +69,7 @@ def load_data_config(path):
         raise DataError(f"{config}: names must be a list or a mapping {{0: name, 1: name, ...}}")
     if cfg.get("nc", len(names)) != len(names):
         raise DataError(f"{config}: nc is {cfg['nc']} but names has {len(names)} entries")
-    names = [str(name) for name in names]
+    names = list(map(str, names))
     # absolute: relative to the yaml's folder
     root = os.path.normpath(config.parent / str(cfg.get("path") or "."))
     data = dict(yaml_file=str(config), path=root, names=names, nc=len(names))
@@ -183,7 +183,17 @@ class YOLODataset(Dataset):
             self.im_files = [self.im_files[i] for i in order]
             self.labels = [self.labels[i] for i in order]
             hw = hw[order]
-            self.batch_shapes = self._batch_shapes(aspect[order], stride)
+            aspect = aspect[order]
+            # each batch's input (H, W): the batch's most extreme image fits imgsz, each side a
+            # multiple of stride
+            first = np.arange(0, len(aspect), batch_size)
+            last = np.minimum(first + batch_size, len(aspect)) - 1
+            # H and W over imgsz: min(h/w, 1) of the batch's tallest image (its last), min(w/h, 1)
+            # of its widest (its first)
+            height = np.minimum(aspect[last], 1)
+            width = np.minimum(1 / aspect[first], 1)
+            relative = np.stack([height, width], 1)
+            self.batch_shapes = np.ceil(relative * imgsz / stride + 0.5).astype(int) * stride
         # each image's (w, h) in the RAM cache: long side imgsz
         long_side = hw.max(1, keepdims=True)
         self._dims = np.round(hw[:, ::-1] * imgsz / long_side).astype(int)
@@ -200,18 +210,6 @@ class YOLODataset(Dataset):
             prefix=prefix,
             verbose=verbose,
         )
-
-    def _batch_shapes(self, aspect, stride):
-        """Sorted h/w ratios -> each batch's input (H, W): the batch's most extreme image fits
-        imgsz, each side a multiple of stride."""
-        first = np.arange(0, len(aspect), self.batch_size)
-        last = np.minimum(first + self.batch_size, len(aspect)) - 1
-        # H and W over imgsz: min(h/w, 1) of the batch's tallest image (its last), min(w/h, 1) of
-        # its widest (its first)
-        height = np.minimum(aspect[last], 1)
-        width = np.minimum(1 / aspect[first], 1)
-        relative = np.stack([height, width], 1)
-        return np.ceil(relative * self.imgsz / stride + 0.5).astype(int) * stride
 
     def check_polygons(self):
         """DataError unless some label is a polygon (from boxes alone masks would be rectangles)."""
@@ -368,7 +366,7 @@ def to_rgb8(image: Image.Image) -> Image.Image:
         grey = values >> shift
     else:
         return image.convert("RGB")
-    return Image.fromarray(np.clip(grey, 0, 255).astype(np.uint8), "L").convert("RGB")
+    return Image.fromarray(np.clip(grey, 0, 255).astype(np.uint8)).convert("RGB")
 
 
 def load_rgb(path, scale=1.0) -> Image.Image:
