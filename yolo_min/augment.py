@@ -1,8 +1,6 @@
 """Image geometry and colour (no OpenCV): yolov5's random affine, render, place_labels, HSV jitter,
 overlap masks. Pixel j covers [j, j+1); boxes xyxy; randomness: `random`, seeded per sample."""
 
-from __future__ import annotations
-
 import math
 import random
 from typing import NamedTuple

@@ -1,7 +1,5 @@
 """The data config, YOLODataset (mosaic or letterbox), ClassifyDataset, samplers and loaders."""
 
-from __future__ import annotations
-
 import math
 import os
 import random
@@ -154,14 +152,14 @@ class YOLODataset(Dataset):
         sources,
         imgsz=640,
         augment=False,
-        hyp: dict | None = None,
+        hyp=None,
         task="detect",
         rect=False,
         batch_size=16,
         stride=32,
-        cache: str | None = None,
+        cache=None,
         prefix="",
-        nc: int | None = None,
+        nc=None,
         verbose=True,
         local_world_size=1,
     ):

@@ -1,8 +1,6 @@
 """Finding images and verifying their YOLO label files (last /images/ -> /labels/, .txt), cached.
 Bad input never crashes and is never silent: one warning per problem (file and line), counts."""
 
-from __future__ import annotations
-
 import contextlib
 import hashlib
 import os
@@ -175,7 +173,7 @@ class Walk:
         self.seen.add(key)
         return True
 
-    def _unreadable(self, error: OSError):
+    def _unreadable(self, error):
         """os.walk's onerror: a folder it cannot list, counted once among the others (a folder met
         before: a repeat)."""
         if self._first(file_id(error.filename)):
@@ -221,7 +219,7 @@ def row_problem(line, values, nc):
     return None
 
 
-def parse_labels(text, where, nc: int | None = None) -> Parsed:
+def parse_labels(text, where, nc=None):
     """Label file text -> Parsed: rows [(cls, [cx, cy, w, h], polygon (k,2))], msgs, dropped,
     fixed. Row: `cls cx cy w h` or `cls x1 y1 x2 y2 x3 y3 ...` (a polygon, its box its extent) in
     [0, 1]. A file with both has its box rows made rectangles: all rows or none have a polygon (else
@@ -278,7 +276,7 @@ def parse_labels(text, where, nc: int | None = None) -> Parsed:
     return Parsed(rows=rows, msgs=msgs, dropped=dropped, fixed=fixed)
 
 
-def verify(im_file, lb_file, nc: int | None = None) -> Verified:
+def verify(im_file, lb_file, nc=None):
     """One image/label pair -> Verified (status, (h, w), rows, msgs, dropped, fixed); never
     raises."""
 
@@ -393,7 +391,7 @@ def _load_or_build(files, nc, prefix, verbose):
     return data
 
 
-def load_labels(files, nc: int | None = None, prefix="", verbose=True):
+def load_labels(files, nc=None, prefix="", verbose=True):
     """Verified (cached) labels -> (usable files, label dicts, counts); label dict: cls (n,) int64,
     bboxes (n,4) float32 normalised xywh, segments [(k,2) float32 normalised], shape (h, w)."""
     data = _load_or_build(files, nc, prefix=prefix, verbose=verbose)

@@ -1,8 +1,6 @@
 """Embedded datasets, made on first use. "shapes": 128 px JPEGs of 1-4 circles, rectangles and
 triangles (a band of hues per class) on noise, with polygon labels. "shapes-cls": shapes cut out."""
 
-from __future__ import annotations
-
 import colorsys
 import math
 import os
