@@ -265,9 +265,8 @@ class YOLODataset(Dataset):
             r = size / max(h0, w0)
             x0 = centre_x - w0 * r if j in (0, 2) else centre_x
             y0 = centre_y - h0 * r if j in (0, 1) else centre_y
-            right = min(x0 + w0 * r, 2 * size)
-            bottom = min(y0 + h0 * r, 2 * size)
-            clip = (max(x0, 0), max(y0, 0), right, bottom)
+            # the piece's extent on the canvas
+            clip = tuple(np.clip([x0, y0, x0 + w0 * r, y0 + h0 * r], 0, 2 * size).tolist())
             pieces.append(Piece(index=k, r=r, ox=x0, oy=y0, clip=clip))
         return pieces, (2 * size, 2 * size)
 
@@ -317,13 +316,12 @@ class YOLODataset(Dataset):
         masks = None
         if self.task == "segment":
             masks = overlap_mask(polys, boxes, out[::-1])
-        ratio = float(first.r)
         return dict(
             image=image,
             targets=torch.from_numpy(rows).float(),
             masks=masks,
             path=self.im_files[i],
-            shape=(label["shape"], ((ratio, ratio), pad)),
+            shape=(label["shape"], ((first.r, first.r), pad)),
             index=i,
         )
 
