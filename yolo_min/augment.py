@@ -33,7 +33,7 @@ def _uniform(spread, centre=0):
     return random.uniform(centre - spread, centre + spread)
 
 
-def affine_matrix(in_wh, out_wh, hyp) -> tuple[np.ndarray, float]:
+def affine_matrix(in_wh, out_wh, hyp):
     """yolov5's random T @ S @ R @ P @ C -> (3x3: canvas (in_wh) to output (out_wh) px, scale)."""
     # C moves the canvas centre to the origin.
     C = np.eye(3)
@@ -56,7 +56,7 @@ def affine_matrix(in_wh, out_wh, hyp) -> tuple[np.ndarray, float]:
     return T @ S @ R @ P @ C, scale
 
 
-def _paste(out: torch.Tensor, src: torch.Tensor, scale, offset, rect) -> np.ndarray:
+def _paste(out, src, scale, offset, rect):
     """Resample src (h,w,3) by [x', y'] = scale * [x, y] + offset ([x, y] arrays) into the part of
     out (3,H,W) in rect (int rows [x0, y0], [x1, y1]), only the needed crop -> [dx, dy]: the drawn
     pixels are the exact mapping shifted by |d| <= 0.5 px."""
@@ -92,7 +92,7 @@ def _paste(out: torch.Tensor, src: torch.Tensor, scale, offset, rect) -> np.ndar
     return corner - exact
 
 
-def render(pieces: list[Piece], M: np.ndarray, out_wh, load):
+def render(pieces, M, out_wh, load):
     """Pieces through canvas->output matrix M on grey uint8 (3,H,W) of size out_wh -> (image, per
     piece its pixels' (dx, dy) canvas shift). Scale+shift M: sources load()ed; else PIL warps."""
     # Off the diagonal: M rotates, shears or projects.
@@ -143,7 +143,7 @@ def _render_warped(pieces, M, out_wh, load):
     return torch.from_numpy(np.stack(image.split())), shifts
 
 
-def resample(polys) -> np.ndarray:
+def resample(polys):
     """Closed polygons [(k,2)] -> (m,NPTS,2): points spread evenly over each one's vertex index."""
     sizes = np.array([len(poly) for poly in polys])
     points = np.concatenate(polys)
@@ -241,7 +241,7 @@ def _box_candidates(before, after, is_polygon):
     return (width > 2.0) & (height > 2.0) & area_ok & (aspect < 100.0)
 
 
-def hsv_jitter(img: torch.Tensor, hyp) -> torch.Tensor:
+def hsv_jitter(img, hyp):
     """yolov5's HSV gains U(-1,1) * hsv_h/s/v + 1 on uint8 (3,H,W) RGB, applied in RGB."""
     keys = ("hsv_h", "hsv_s", "hsv_v")
     hue_gain, saturation_gain, value_gain = [random.uniform(-1, 1) * hyp[key] + 1 for key in keys]
@@ -269,7 +269,7 @@ def hsv_jitter(img: torch.Tensor, hyp) -> torch.Tensor:
     return torch.from_numpy(np.stack(image.split()))
 
 
-def polygon_area(polygon: np.ndarray):
+def polygon_area(polygon):
     """Area of a closed polygon (k, 2) [x, y] (shoelace formula)."""
     x, y = polygon.T
     twice_area = x[:-1] @ y[1:] - x[1:] @ y[:-1]
@@ -278,7 +278,7 @@ def polygon_area(polygon: np.ndarray):
     return 0.5 * abs(float(twice_area))
 
 
-def overlap_mask(polys, boxes: np.ndarray, out_hw) -> torch.Tensor:
+def overlap_mask(polys, boxes, out_hw):
     """Overlap index map (H//4, W//4) uint8 (int16 from 256 instances): k where a pixel's
     centre is in polys[k-1] (m,2) output px, or boxes[k-1] xyxy if None; smaller on top (yolov5)."""
     # The masks' resolution, a quarter of the input's.

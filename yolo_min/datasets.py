@@ -89,7 +89,7 @@ def check_task(data, task):
         raise DataError(f"{data['path']}: a {task} model needs {need}")
 
 
-def load_folder_data(root: Path):
+def load_folder_data(root):
     """Classification data root/{train,val or test}/<class>/* -> {path, names, nc, train, val}."""
     train = root / "train"
     val = root / ("val" if (root / "val").is_dir() else "test")
@@ -338,7 +338,7 @@ class YOLODataset(Dataset):
         return dict(cls=torch.from_numpy(label["cls"]), boxes=boxes, polygons=polygons)
 
 
-def to_rgb8(image: Image.Image) -> Image.Image:
+def to_rgb8(image):
     """An image of any PIL mode as 8-bit RGB, its values scaled rather than clipped: 16-bit
     (I;16*) by >> 8; 32-bit integers (I) as 16-bit when all lie in 0..65535, else by >> 23 (the
     range 0..2^31-1), negative values as 0; floats (F) by 255 when all finite values lie in 0..1,
@@ -365,7 +365,7 @@ def to_rgb8(image: Image.Image) -> Image.Image:
     return Image.fromarray(np.clip(grey, 0, 255).astype(np.uint8)).convert("RGB")
 
 
-def load_rgb(path, scale=1.0) -> Image.Image:
+def load_rgb(path, scale=1.0):
     """An image file as 8-bit RGB (to_rgb8), turned as its EXIF orientation says; decoded at >=
     scale x its size where the format can (a JPEG draft)."""
     image = Image.open(path)
@@ -377,7 +377,7 @@ def load_rgb(path, scale=1.0) -> Image.Image:
     return to_rgb8(image)
 
 
-def center_square(im: Image.Image) -> Image.Image:
+def center_square(im):
     return v2.functional.center_crop(im, min(im.size))
 
 

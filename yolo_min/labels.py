@@ -337,9 +337,11 @@ def _verify_all(files, lb_files, nc):
     polygons = [points for _, _, points in rows]
     msgs = [msg for per_file in file_msgs for msg in per_file]
     missing = {os.path.dirname(lb) for s, lb in zip(status, lb_files) if s == MISSING}
-    for folder in sorted(missing):
-        if not os.path.isdir(folder):
-            msgs.append(f"labels folder {folder} does not exist: its images are used as background")
+    msgs += [
+        f"labels folder {folder} does not exist: its images are used as background"
+        for folder in sorted(missing)
+        if not os.path.isdir(folder)
+    ]
     boxes = np.array([box for _, box, _ in rows], np.float32).reshape(-1, 4)
     points = np.concatenate([*polygons, np.zeros((0, 2))]).astype(np.float32)
     return dict(
