@@ -1,8 +1,6 @@
 """Image geometry and colour (no OpenCV): yolov5's random affine, render, place_labels, HSV jitter,
 overlap masks. Pixel j covers [j, j+1); boxes xyxy; randomness: `random`, seeded per sample."""
 
-from __future__ import annotations
-
 import math
 import random
 from typing import NamedTuple
@@ -30,43 +28,43 @@ class Piece(NamedTuple):
     clip: tuple
 
 
-def affine_matrix(in_wh: tuple, out_wh: tuple, hyp: dict) -> tuple[np.ndarray, float]:
+def _uniform(spread, centre=0):
+    """U(centre - spread, centre + spread)."""
+    return random.uniform(centre - spread, centre + spread)
+
+
+def affine_matrix(in_wh, out_wh, hyp):
     """yolov5's random T @ S @ R @ P @ C -> (3x3: canvas (in_wh) to output (out_wh) px, scale)."""
     # C moves the canvas centre to the origin.
     C = np.eye(3)
     C[:2, 2] = -np.array(in_wh) / 2
-    perspective = hyp["perspective"]
     P = np.eye(3)
-    P[2, :2] = [random.uniform(-perspective, perspective) for _ in range(2)]
+    P[2, :2] = [_uniform(hyp["perspective"]) for _ in range(2)]
     # R rotates and scales.
-    degrees = hyp["degrees"]
-    angle = math.radians(random.uniform(-degrees, degrees))
-    scale = random.uniform(1 - hyp["scale"], 1 + hyp["scale"])
+    angle = math.radians(_uniform(hyp["degrees"]))
+    scale = _uniform(hyp["scale"], centre=1)
     cos = scale * math.cos(angle)
     sin = scale * math.sin(angle)
     R = np.eye(3)
     R[:2, :2] = [[cos, sin], [-sin, cos]]
-    shear = hyp["shear"]
+    # S shears x by y, then y by x.
     S = np.eye(3)
-    S[0, 1] = math.tan(math.radians(random.uniform(-shear, shear)))
-    S[1, 0] = math.tan(math.radians(random.uniform(-shear, shear)))
+    S[[0, 1], [1, 0]] = [math.tan(math.radians(_uniform(hyp["shear"]))) for _ in range(2)]
     # T moves the centre to a random point near the output's centre.
-    translate = hyp["translate"]
     T = np.eye(3)
-    T[:2, 2] = [random.uniform(0.5 - translate, 0.5 + translate) * side for side in out_wh]
+    T[:2, 2] = [_uniform(hyp["translate"], centre=0.5) * side for side in out_wh]
     return T @ S @ R @ P @ C, scale
 
 
-def _paste(out: torch.Tensor, src: torch.Tensor, scale, offset, rect) -> np.ndarray:
+def _paste(out, src, scale, offset, rect):
     """Resample src (h,w,3) by [x', y'] = scale * [x, y] + offset ([x, y] arrays) into the part of
     out (3,H,W) in rect (int rows [x0, y0], [x1, y1]), only the needed crop -> [dx, dy]: the drawn
     pixels are the exact mapping shifted by |d| <= 0.5 px."""
     low, high = rect
-    src_height, src_width = src.shape[:2]
     # The source columns and rows that land in rect, and one more on each side for the filter.
     first = np.maximum(np.floor((low - offset) / scale) - 1, 0).astype(int)
     last = np.ceil((high - offset) / scale) + 1
-    last = np.minimum(last, (src_width, src_height)).astype(int)
+    last = np.minimum(last, src.shape[1::-1]).astype(int)
     if (last <= first).any():
         return np.zeros(2)
     (col0, row0), (col1, row1) = first, last
@@ -94,7 +92,7 @@ def _paste(out: torch.Tensor, src: torch.Tensor, scale, offset, rect) -> np.ndar
     return corner - exact
 
 
-def render(pieces: list[Piece], M: np.ndarray, out_wh: tuple, load) -> tuple:
+def render(pieces, M, out_wh, load):
     """Pieces through canvas->output matrix M on grey uint8 (3,H,W) of size out_wh -> (image, per
     piece its pixels' (dx, dy) canvas shift). Scale+shift M: sources load()ed; else PIL warps."""
     # Off the diagonal: M rotates, shears or projects.
@@ -145,7 +143,7 @@ def _render_warped(pieces, M, out_wh, load):
     return torch.from_numpy(np.stack(image.split())), shifts
 
 
-def resample(polys: list) -> np.ndarray:
+def resample(polys):
     """Closed polygons [(k,2)] -> (m,NPTS,2): points spread evenly over each one's vertex index."""
     sizes = np.array([len(poly) for poly in polys])
     points = np.concatenate(polys)
@@ -164,12 +162,12 @@ def resample(polys: list) -> np.ndarray:
 
 
 def place_labels(
-    pieces: list,
-    labels: list,
+    pieces,
+    labels,
     M: np.ndarray,
-    scale: float,
-    out_wh: tuple,
-    shifts: list,
+    scale,
+    out_wh,
+    shifts,
 ):
     """Label dicts of the pieces through the geometry -> cls (n,), boxes (n,4) xyxy output px,
     polygons ((NPTS,2) output px; None: a box). scale: the affine's; shifts: render's."""
@@ -191,7 +189,7 @@ def place_labels(
     is_polygon = np.array([polygon is not None for polygon in polygons], bool)
     keep = _box_candidates(before, boxes, is_polygon)
     kept_polygons = [polygon for polygon, kept in zip(polygons, keep) if kept]
-    return classes[keep].astype(np.int64), boxes[keep], kept_polygons
+    return classes[keep], boxes[keep], kept_polygons
 
 
 def _canvas_points(piece, label, shift):
@@ -243,14 +241,14 @@ def _box_candidates(before, after, is_polygon):
     return (width > 2.0) & (height > 2.0) & area_ok & (aspect < 100.0)
 
 
-def hsv_jitter(img: torch.Tensor, hyp: dict) -> torch.Tensor:
+def hsv_jitter(img, hyp):
     """yolov5's HSV gains U(-1,1) * hsv_h/s/v + 1 on uint8 (3,H,W) RGB, applied in RGB."""
-    gains = [random.uniform(-1, 1) * hyp[key] + 1 for key in ("hsv_h", "hsv_s", "hsv_v")]
-    hue_gain, saturation_gain, value_gain = gains
+    keys = ("hsv_h", "hsv_s", "hsv_v")
+    hue_gain, saturation_gain, value_gain = [random.uniform(-1, 1) * hyp[key] + 1 for key in keys]
     red, green, blue = map(Image.fromarray, img.numpy())
     # Saturation: a blend with the grey of V = max(R, G, B).
     value = ImageChops.lighter(ImageChops.lighter(red, green), blue)
-    grey = Image.merge("RGB", (value, value, value))
+    grey = Image.merge("RGB", (value,) * 3)
     colour = Image.merge("RGB", (red, green, blue))
     image = Image.blend(grey, colour, saturation_gain)
     # Hue: a rotation about the grey axis (1, 1, 1) (Rodrigues' formula), within 2.7 degrees of
@@ -271,7 +269,7 @@ def hsv_jitter(img: torch.Tensor, hyp: dict) -> torch.Tensor:
     return torch.from_numpy(np.stack(image.split()))
 
 
-def polygon_area(polygon: np.ndarray) -> float:
+def polygon_area(polygon):
     """Area of a closed polygon (k, 2) [x, y] (shoelace formula)."""
     x, y = polygon.T
     twice_area = x[:-1] @ y[1:] - x[1:] @ y[:-1]
@@ -280,7 +278,7 @@ def polygon_area(polygon: np.ndarray) -> float:
     return 0.5 * abs(float(twice_area))
 
 
-def overlap_mask(polys: list, boxes: np.ndarray, out_hw: tuple) -> torch.Tensor:
+def overlap_mask(polys, boxes, out_hw):
     """Overlap index map (H//4, W//4) uint8 (int16 from 256 instances): k where a pixel's
     centre is in polys[k-1] (m,2) output px, or boxes[k-1] xyxy if None; smaller on top (yolov5)."""
     # The masks' resolution, a quarter of the input's.

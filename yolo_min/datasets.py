@@ -1,7 +1,5 @@
 """The data config, YOLODataset (mosaic or letterbox), ClassifyDataset, samplers and loaders."""
 
-from __future__ import annotations
-
 import math
 import os
 import random
@@ -36,7 +34,7 @@ IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
-def load_data_config(path: str) -> dict:
+def load_data_config(path):
     """Dataset yaml (folder: load_folder_data) -> {yaml_file, path, names: [str], nc, train: [str],
     val: [str]}. 'shapes', 'shapes-cls': embedded, made on first use (on local rank 0 first)."""
     config = Path(path)
@@ -69,7 +67,7 @@ def load_data_config(path: str) -> dict:
         raise DataError(f"{config}: names must be a list or a mapping {{0: name, 1: name, ...}}")
     if cfg.get("nc", len(names)) != len(names):
         raise DataError(f"{config}: nc is {cfg['nc']} but names has {len(names)} entries")
-    names = [str(name) for name in names]
+    names = list(map(str, names))
     # absolute: relative to the yaml's folder
     root = os.path.normpath(config.parent / str(cfg.get("path") or "."))
     data = dict(yaml_file=str(config), path=root, names=names, nc=len(names))
@@ -84,14 +82,14 @@ def load_data_config(path: str) -> dict:
     return data
 
 
-def check_task(data: dict, task: str) -> None:
+def check_task(data, task):
     """DataError unless load_data_config's data suits the task: class folders for classify."""
     if (task == "classify") == ("yaml_file" in data):
         need = "a folder: root/train/<class>/" if task == "classify" else "a data yaml"
         raise DataError(f"{data['path']}: a {task} model needs {need}")
 
 
-def load_folder_data(root: Path) -> dict:
+def load_folder_data(root):
     """Classification data root/{train,val or test}/<class>/* -> {path, names, nc, train, val}."""
     train = root / "train"
     val = root / ("val" if (root / "val").is_dir() else "test")
@@ -112,7 +110,7 @@ def load_folder_data(root: Path) -> dict:
     )
 
 
-def available_memory() -> int:
+def available_memory():
     """Bytes of memory available for new allocations (Linux MemAvailable); 0 where unknown."""
     try:
         text = Path("/proc/meminfo").read_text()
@@ -121,7 +119,7 @@ def available_memory() -> int:
         return 0
 
 
-def cache_in_ram(load, count: int, size: int, cache, local_world_size: int, prefix, verbose):
+def cache_in_ram(load, count, size, cache, local_world_size, prefix, verbose):
     """[load(i) for i in range(count)] decoded on threads when --cache says so, else None. size:
     their bytes; "ram": always (DataError if this node's processes would not fit), "auto": if
     they need under 10% of the available memory, any other value: never."""
@@ -152,18 +150,18 @@ class YOLODataset(Dataset):
     def __init__(
         self,
         sources,
-        imgsz: int = 640,
-        augment: bool = False,
-        hyp: dict | None = None,
-        task: str = "detect",
-        rect: bool = False,
-        batch_size: int = 16,
-        stride: int = 32,
-        cache: str | None = None,
-        prefix: str = "",
-        nc: int | None = None,
-        verbose: bool = True,
-        local_world_size: int = 1,
+        imgsz=640,
+        augment=False,
+        hyp=None,
+        task="detect",
+        rect=False,
+        batch_size=16,
+        stride=32,
+        cache=None,
+        prefix="",
+        nc=None,
+        verbose=True,
+        local_world_size=1,
     ):
         if augment and hyp is None:
             raise ValueError("augment=True needs hyp (e.g. yolo_min/cfg/hyp.scratch-low.yaml)")
@@ -183,7 +181,17 @@ class YOLODataset(Dataset):
             self.im_files = [self.im_files[i] for i in order]
             self.labels = [self.labels[i] for i in order]
             hw = hw[order]
-            self.batch_shapes = self._batch_shapes(aspect[order], stride)
+            aspect = aspect[order]
+            # each batch's input (H, W): the batch's most extreme image fits imgsz, each side a
+            # multiple of stride
+            first = np.arange(0, len(aspect), batch_size)
+            last = np.minimum(first + batch_size, len(aspect)) - 1
+            # H and W over imgsz: min(h/w, 1) of the batch's tallest image (its last), min(w/h, 1)
+            # of its widest (its first)
+            height = np.minimum(aspect[last], 1)
+            width = np.minimum(1 / aspect[first], 1)
+            relative = np.stack([height, width], 1)
+            self.batch_shapes = np.ceil(relative * imgsz / stride + 0.5).astype(int) * stride
         # each image's (w, h) in the RAM cache: long side imgsz
         long_side = hw.max(1, keepdims=True)
         self._dims = np.round(hw[:, ::-1] * imgsz / long_side).astype(int)
@@ -201,27 +209,15 @@ class YOLODataset(Dataset):
             verbose=verbose,
         )
 
-    def _batch_shapes(self, aspect, stride):
-        """Sorted h/w ratios -> each batch's input (H, W): the batch's most extreme image fits
-        imgsz, each side a multiple of stride."""
-        first = np.arange(0, len(aspect), self.batch_size)
-        last = np.minimum(first + self.batch_size, len(aspect)) - 1
-        # H and W over imgsz: min(h/w, 1) of the batch's tallest image (its last), min(w/h, 1) of
-        # its widest (its first)
-        height = np.minimum(aspect[last], 1)
-        width = np.minimum(1 / aspect[first], 1)
-        relative = np.stack([height, width], 1)
-        return np.ceil(relative * self.imgsz / stride + 0.5).astype(int) * stride
-
-    def check_polygons(self) -> None:
+    def check_polygons(self):
         """DataError unless some label is a polygon (from boxes alone masks would be rectangles)."""
         if not any(len(label["segments"]) for label in self.labels):
             raise DataError(f"{self.prefix}a segmentation model needs polygon labels: boxes only")
 
-    def __len__(self) -> int:
+    def __len__(self):
         return len(self.im_files)
 
-    def load_image(self, i: int, scale: float = 1.0, wh=None) -> tuple[torch.Tensor, tuple]:
+    def load_image(self, i, scale=1.0, wh=None):
         """Image i, uint8 (h,w,3) RGB: cached, else at >= scale x its size (JPEG draft) and resized
         to wh (w, h) if given; and its (sx, sy) scale."""
         path = self.im_files[i]
@@ -269,13 +265,12 @@ class YOLODataset(Dataset):
             r = size / max(h0, w0)
             x0 = centre_x - w0 * r if j in (0, 2) else centre_x
             y0 = centre_y - h0 * r if j in (0, 1) else centre_y
-            right = min(x0 + w0 * r, 2 * size)
-            bottom = min(y0 + h0 * r, 2 * size)
-            clip = (max(x0, 0), max(y0, 0), right, bottom)
+            # the piece's extent on the canvas
+            clip = tuple(np.clip([x0, y0, x0 + w0 * r, y0 + h0 * r], 0, 2 * size).tolist())
             pieces.append(Piece(index=k, r=r, ox=x0, oy=y0, clip=clip))
         return pieces, (2 * size, 2 * size)
 
-    def __getitem__(self, key: int | tuple) -> dict:
+    def __getitem__(self, key):
         """key: an index, or (seed, epoch, index) from EpochSampler: seeds the augmentation."""
         i = key
         if isinstance(key, tuple):
@@ -321,17 +316,16 @@ class YOLODataset(Dataset):
         masks = None
         if self.task == "segment":
             masks = overlap_mask(polys, boxes, out[::-1])
-        ratio = float(first.r)
         return dict(
             image=image,
             targets=torch.from_numpy(rows).float(),
             masks=masks,
             path=self.im_files[i],
-            shape=(label["shape"], ((ratio, ratio), pad)),
+            shape=(label["shape"], ((first.r, first.r), pad)),
             index=i,
         )
 
-    def ground_truth(self, i: int) -> dict:
+    def ground_truth(self, i):
         """Labels of image i in ORIGINAL pixels: cls (n,) int64, boxes (n,4) xyxy float32, polygons
         [(k,2) float32] (rectangles of box rows for segment data; [] for detect data)."""
         label = self.labels[i]
@@ -344,7 +338,7 @@ class YOLODataset(Dataset):
         return dict(cls=torch.from_numpy(label["cls"]), boxes=boxes, polygons=polygons)
 
 
-def to_rgb8(image: Image.Image) -> Image.Image:
+def to_rgb8(image):
     """An image of any PIL mode as 8-bit RGB, its values scaled rather than clipped: 16-bit
     (I;16*) by >> 8; 32-bit integers (I) as 16-bit when all lie in 0..65535, else by >> 23 (the
     range 0..2^31-1), negative values as 0; floats (F) by 255 when all finite values lie in 0..1,
@@ -368,10 +362,10 @@ def to_rgb8(image: Image.Image) -> Image.Image:
         grey = values >> shift
     else:
         return image.convert("RGB")
-    return Image.fromarray(np.clip(grey, 0, 255).astype(np.uint8), "L").convert("RGB")
+    return Image.fromarray(np.clip(grey, 0, 255).astype(np.uint8)).convert("RGB")
 
 
-def load_rgb(path: str, scale: float = 1.0) -> Image.Image:
+def load_rgb(path, scale=1.0):
     """An image file as 8-bit RGB (to_rgb8), turned as its EXIF orientation says; decoded at >=
     scale x its size where the format can (a JPEG draft)."""
     image = Image.open(path)
@@ -383,7 +377,7 @@ def load_rgb(path: str, scale: float = 1.0) -> Image.Image:
     return to_rgb8(image)
 
 
-def center_square(im: Image.Image) -> Image.Image:
+def center_square(im):
     return v2.functional.center_crop(im, min(im.size))
 
 
@@ -439,20 +433,20 @@ class ClassifyDataset(ImageFolder):
         # in find_classes' order: by name, and so by class
         folders = {os.path.join(directory, name): k for name, k in class_to_idx.items()}
         self.walk.claim([directory, *folders])
-        samples = []
-        for folder, k in folders.items():
-            for f in self.walk.files(folder):
-                # ImageFolder's IMG_EXTENSIONS
-                if f.lower().endswith(extensions):
-                    samples.append((f, k))
-        return samples
+        # ImageFolder's IMG_EXTENSIONS
+        return [
+            (f, k)
+            for folder, k in folders.items()
+            for f in self.walk.files(folder)
+            if f.lower().endswith(extensions)
+        ]
 
-    def load(self, i: int) -> tuple[torch.Tensor, tuple]:
+    def load(self, i):
         """(sample i's image as self.transform makes it, the original (h, w))."""
         image = load_rgb(self.samples[i][0])
         return self.transform(image), (image.height, image.width)
 
-    def __getitem__(self, key: int | tuple) -> dict:
+    def __getitem__(self, key):
         """key: an index, or EpochSampler's (seed, epoch, index): the same sample for any (the
         trainer augments batches, cls_augment)."""
         i = key[2] if isinstance(key, tuple) else key
@@ -467,31 +461,24 @@ class ClassifyDataset(ImageFolder):
         )
 
 
-def collate(samples: list[dict]) -> dict:
+def collate(samples):
     """Samples -> batch: images uint8 (bs,3,H,W); targets float32 (N,6) [image, cls, cx, cy, w, h]
     (classify: int64 (bs,2)); masks float32 (bs,H/4,W/4) or None; shapes; indices (bs,)."""
-    images = torch.stack([s["image"] for s in samples])
     # each target row led by its image's index in the batch
     rows = [F.pad(s["targets"], (1, 0), value=k) for k, s in enumerate(samples)]
     masks = None
     if samples[0]["masks"] is not None:
         masks = torch.stack([s["masks"] for s in samples]).float()
-    indices = torch.tensor([s["index"] for s in samples])
     return dict(
-        images=images,
+        images=torch.stack([s["image"] for s in samples]),
         targets=torch.cat(rows),
         masks=masks,
-        indices=indices,
+        indices=torch.tensor([s["index"] for s in samples]),
         shapes=[s["shape"] for s in samples],
     )
 
 
-def shard_batches(
-    n: int,
-    batch_size: int,
-    rank: int,
-    world_size: int,
-) -> list[list[int]]:
+def shard_batches(n, batch_size, rank, world_size):
     """This rank's validation batches: consecutive batches dealt round-robin, none padded."""
     starts = range(rank * batch_size, n, world_size * batch_size)
     return [list(range(start, min(start + batch_size, n))) for start in starts]
@@ -504,7 +491,7 @@ class EpochSampler(DistributedSampler):
         return ((self.seed, self.epoch, i) for i in super().__iter__())
 
 
-def yield_cpu(worker_id: int) -> None:
+def yield_cpu(worker_id):
     """Data workers at the lowest priority, quiet when the run is stopped (worker_init_fn)."""
     # Ctrl-C and `kill -TERM -pgid` (timeout, systemd, SLURM) reach the whole process group: the
     # main process says it once and ends the workers; a worker neither prints a traceback nor dies
@@ -527,7 +514,7 @@ def build_dataloader(
     seed=0,
     local_world_size=1,
     drop_single=False,
-) -> tuple:
+):
     """-> (DataLoader, sampler): shuffle: a seeded EpochSampler (call set_epoch), else batches.
     drop_single: a shuffled epoch's last batch is dropped if it would hold a single image."""
     # the cores this process may run on, where the system says (Linux)

@@ -1,8 +1,6 @@
 """Finding images and verifying their YOLO label files (last /images/ -> /labels/, .txt), cached.
 Bad input never crashes and is never silent: one warning per problem (file and line), counts."""
 
-from __future__ import annotations
-
 import contextlib
 import hashlib
 import os
@@ -70,13 +68,13 @@ class Verified(NamedTuple):
     fixed: int = 0
 
 
-def thread_map(fn, *iterables) -> list:
+def thread_map(fn, *iterables):
     """list(map(fn, *iterables)) on up to 8 threads: PIL decodes without holding the GIL."""
     with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
         return list(pool.map(fn, *iterables))
 
 
-def img2label_path(f: str) -> str:
+def img2label_path(f):
     """Last /images/ -> /labels/, extension -> .txt."""
     head, images, tail = f.rpartition(f"{os.sep}images{os.sep}")
     if images:
@@ -84,7 +82,7 @@ def img2label_path(f: str) -> str:
     return os.path.splitext(f)[0] + ".txt"
 
 
-def list_images(sources, prefix: str = "", verbose: bool = True) -> list[str]:
+def list_images(sources, prefix="", verbose=True):
     """Image files in sources: folders (recursive), .txt lists (relative to their folder), files."""
     files = []
     skipped = []
@@ -105,10 +103,8 @@ def list_images(sources, prefix: str = "", verbose: bool = True) -> list[str]:
         else:
             found = [src]
         for f in map(Path, found):
-            if f.suffix[1:].lower() in IMG_FORMATS:
-                files.append(os.path.normpath(f))
-            else:
-                skipped.append(os.path.normpath(f))
+            kept = files if f.suffix[1:].lower() in IMG_FORMATS else skipped
+            kept.append(os.path.normpath(f))
     if not files:
         raise DataError(f"{prefix}no images found in {', '.join(map(str, sources))}")
     if verbose and skipped:
@@ -122,7 +118,7 @@ def list_images(sources, prefix: str = "", verbose: bool = True) -> list[str]:
     return list(dict.fromkeys(files))
 
 
-def file_id(path: str | Path) -> tuple[int, int]:
+def file_id(path):
     """The (device, inode) of the file or folder at path, through links."""
     st = os.stat(path)
     return st.st_dev, st.st_ino
@@ -143,17 +139,16 @@ class Walk:
         # the paths of FIFOs, devices, sockets, broken links
         self.others = []
 
-    def claim(self, folders) -> None:
+    def claim(self, folders):
         """Count folders as met (a link to one is not followed), but walk each given as a root:
         ImageFolder's split and class folders, so that no link moves a file to another class."""
         self.claimed |= {file_id(folder) for folder in folders}
 
-    def files(self, root: str | Path) -> list[str]:
+    def files(self, root):
         """The regular files under root not met before, sorted as paths."""
         self.claimed.discard(file_id(root))
         found = []
-        walk = os.walk(root, onerror=self._unreadable, followlinks=True)
-        for folder, subfolders, names in walk:
+        for folder, subfolders, names in os.walk(root, onerror=self._unreadable, followlinks=True):
             if not self._first(file_id(folder)):
                 # met before: not walked again
                 subfolders.clear()
@@ -169,7 +164,7 @@ class Walk:
                     found.append(path)
         return [str(f) for f in sorted(map(Path, found))]
 
-    def _first(self, key) -> bool:
+    def _first(self, key):
         """Whether the folder or file of key (file_id) is met for the first time (then
         remembered)."""
         if key in self.seen or key in self.claimed:
@@ -178,13 +173,13 @@ class Walk:
         self.seen.add(key)
         return True
 
-    def _unreadable(self, error: OSError) -> None:
+    def _unreadable(self, error):
         """os.walk's onerror: a folder it cannot list, counted once among the others (a folder met
         before: a repeat)."""
         if self._first(file_id(error.filename)):
             self.others.append(error.filename)
 
-    def warn(self, prefix: str) -> None:
+    def warn(self, prefix):
         """One warning line per kind of skipped entry."""
         if self.repeats:
             print(
@@ -224,7 +219,7 @@ def row_problem(line, values, nc):
     return None
 
 
-def parse_labels(text: str, where: str, nc: int | None = None) -> Parsed:
+def parse_labels(text, where, nc=None):
     """Label file text -> Parsed: rows [(cls, [cx, cy, w, h], polygon (k,2))], msgs, dropped,
     fixed. Row: `cls cx cy w h` or `cls x1 y1 x2 y2 x3 y3 ...` (a polygon, its box its extent) in
     [0, 1]. A file with both has its box rows made rectangles: all rows or none have a polygon (else
@@ -281,7 +276,7 @@ def parse_labels(text: str, where: str, nc: int | None = None) -> Parsed:
     return Parsed(rows=rows, msgs=msgs, dropped=dropped, fixed=fixed)
 
 
-def verify(im_file: str, lb_file: str, nc: int | None = None) -> Verified:
+def verify(im_file, lb_file, nc=None):
     """One image/label pair -> Verified (status, (h, w), rows, msgs, dropped, fixed); never
     raises."""
 
@@ -333,7 +328,7 @@ def verify(im_file: str, lb_file: str, nc: int | None = None) -> Verified:
     return Verified(status, (h, w), rows, msgs=msgs, dropped=dropped, fixed=fixed)
 
 
-def _verify_all(files: list, lb_files: list, nc) -> dict:
+def _verify_all(files, lb_files, nc):
     """Verify every pair -> a value per file, flat tensors per row (weights_only-loadable)."""
     results = thread_map(verify, files, lb_files, [nc] * len(files))
     # per file: Verified's fields
@@ -342,9 +337,11 @@ def _verify_all(files: list, lb_files: list, nc) -> dict:
     polygons = [points for _, _, points in rows]
     msgs = [msg for per_file in file_msgs for msg in per_file]
     missing = {os.path.dirname(lb) for s, lb in zip(status, lb_files) if s == MISSING}
-    for folder in sorted(missing):
-        if not os.path.isdir(folder):
-            msgs.append(f"labels folder {folder} does not exist: its images are used as background")
+    msgs += [
+        f"labels folder {folder} does not exist: its images are used as background"
+        for folder in sorted(missing)
+        if not os.path.isdir(folder)
+    ]
     boxes = np.array([box for _, box, _ in rows], np.float32).reshape(-1, 4)
     points = np.concatenate([*polygons, np.zeros((0, 2))]).astype(np.float32)
     return dict(
@@ -361,7 +358,7 @@ def _verify_all(files: list, lb_files: list, nc) -> dict:
     )
 
 
-def _load_or_build(files: list, nc, prefix: str, verbose: bool) -> dict:
+def _load_or_build(files, nc, prefix, verbose):
     """The labels/<split>.cache if its key (version, nc, file stats) matches; else verify, save."""
     lb_files = [img2label_path(f) for f in files]
     digest = hashlib.sha256(f"{CACHE_VERSION}|{nc}".encode())
@@ -396,7 +393,7 @@ def _load_or_build(files: list, nc, prefix: str, verbose: bool) -> dict:
     return data
 
 
-def load_labels(files: list, nc: int | None = None, prefix: str = "", verbose: bool = True):
+def load_labels(files, nc=None, prefix="", verbose=True):
     """Verified (cached) labels -> (usable files, label dicts, counts); label dict: cls (n,) int64,
     bboxes (n,4) float32 normalised xywh, segments [(k,2) float32 normalised], shape (h, w)."""
     data = _load_or_build(files, nc, prefix=prefix, verbose=verbose)

@@ -1,8 +1,6 @@
 """Embedded datasets, made on first use. "shapes": 128 px JPEGs of 1-4 circles, rectangles and
 triangles (a band of hues per class) on noise, with polygon labels. "shapes-cls": shapes cut out."""
 
-from __future__ import annotations
-
 import colorsys
 import math
 import os
@@ -24,7 +22,7 @@ N_CLS_VAL = 300
 HUE_SPREAD = 0.2
 
 
-def make_image(rng: np.random.Generator, size: int = SIZE) -> tuple[Image.Image, list]:
+def make_image(rng, size=SIZE):
     """One RGB image (size x size) and its labels [(cls, polygon (k,2) float [x, y] in pixels)]."""
     # A muted, low-frequency colour field as the background.
     grid = rng.integers(70, 170, (4, 4, 3), dtype=np.uint8)
@@ -87,14 +85,14 @@ def _shape_polygon(rng, kind, spot):
     return centre + np.stack([x, y], 1)
 
 
-def generate(root: Path, n_train=N_TRAIN, n_val=N_VAL, size=SIZE, seed=0) -> None:
+def generate(root, n_train=N_TRAIN, n_val=N_VAL, size=SIZE, seed=0):
     """Write images/{train,val}/*.jpg, labels/{train,val}/*.txt and shapes.yaml under root."""
     rng = np.random.default_rng(seed)
     for split, count in (("train", n_train), ("val", n_val)):
         image_dir = root / "images" / split
         label_dir = root / "labels" / split
-        image_dir.mkdir(parents=True, exist_ok=True)
-        label_dir.mkdir(parents=True, exist_ok=True)
+        for folder in (image_dir, label_dir):
+            folder.mkdir(parents=True, exist_ok=True)
         for i in range(count):
             image, labels = make_image(rng, size)
             image.save(image_dir / f"{i:06d}.jpg", quality=92)
@@ -114,7 +112,7 @@ def generate(root: Path, n_train=N_TRAIN, n_val=N_VAL, size=SIZE, seed=0) -> Non
     (root / "shapes.yaml").write_text(config)
 
 
-def generate_cls(root: Path, n_train=N_CLS_TRAIN, n_val=N_CLS_VAL, seed=1) -> None:
+def generate_cls(root, n_train=N_CLS_TRAIN, n_val=N_CLS_VAL, seed=1):
     """Write {train,val}/<class>/*.jpg under root: a scene's first shape with 20% margins."""
     rng = np.random.default_rng(seed)
     for split, count in (("train", n_train), ("val", n_val)):
@@ -131,7 +129,7 @@ def generate_cls(root: Path, n_train=N_CLS_TRAIN, n_val=N_CLS_VAL, seed=1) -> No
             crop.save(root / split / NAMES[kind] / f"{i:06d}.jpg", quality=92)
 
 
-def ensure(kind: str = "shapes") -> Path:
+def ensure(kind="shapes"):
     """The folder of kind in $YOLO_MIN_CACHE (~/.cache/yolo_min), generated first if absent."""
     cache = os.environ.get("YOLO_MIN_CACHE") or Path.home() / ".cache" / "yolo_min"
     root = Path(cache) / f"{kind}-v{VERSION}"
