@@ -65,8 +65,9 @@ def check_value(action: argparse.Action, name: str, value):
     if not ok:
         raise TypeError(f"option {name}={value!r:.60}: expected {expected}")
     if action.choices and value not in action.choices and value != action.default:
-        choices = ", ".join(map(str, action.choices))
-        raise ValueError(f"option {name}={value!r:.60}: expected one of {choices}")
+        raise ValueError(
+            f"option {name}={value!r:.60}: expected one of {', '.join(map(str, action.choices))}"
+        )
     if isinstance(value, os.PathLike):
         return os.fspath(value)
     if isinstance(value, tuple):

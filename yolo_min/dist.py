@@ -97,24 +97,19 @@ def setup(device: str) -> DistInfo:
             chosen = torch.device("cuda", local_rank)
         torch.cuda.set_device(chosen)
     if world_size > 1 and not dist.is_initialized():
+        # Join torchrun's process group through a store of this group's own: torchrun's agent
+        # keeps one store across restarts and across the groups a script makes one after another
+        # (YOLO.train, then .val). A key prefix per attempt and group stops a new group from
+        # reading the addresses of an old one (pytorch/pytorch#135712).
+        options = dict(rank=rank, world_size=world_size, timeout=datetime.timedelta(minutes=10))
+        # A TCPStore with this timeout.
+        store, _, _ = next(dist.rendezvous("env://", **options))
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        group = store.add(f"yolo_min/attempt{attempt}/groups_of_rank{rank}", 1)
+        store = dist.PrefixStore(f"yolo_min/attempt{attempt}/group{group}", store)
         backend = "nccl" if chosen.type == "cuda" else "gloo"
-        _init_process_group(rank, world_size, backend)
+        dist.init_process_group(backend, store=store, **options)
     return DistInfo(rank, world_size, local_size, device=chosen)
-
-
-def _init_process_group(rank, world_size, backend):
-    """Join torchrun's process group through a store of this group's own."""
-    # torchrun's agent keeps one store across restarts and across the groups a script makes one
-    # after another (YOLO.train, then .val). A key prefix per attempt and group stops a new group
-    # from reading the addresses of an old one (pytorch/pytorch#135712).
-    timeout = datetime.timedelta(minutes=10)
-    options = dict(rank=rank, world_size=world_size, timeout=timeout)
-    # A TCPStore with this timeout.
-    store, _, _ = next(dist.rendezvous("env://", **options))
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    group = store.add(f"yolo_min/attempt{attempt}/groups_of_rank{rank}", 1)
-    store = dist.PrefixStore(f"yolo_min/attempt{attempt}/group{group}", store)
-    dist.init_process_group(backend, store=store, **options)
 
 
 def torchrun_id() -> str | None:

@@ -151,8 +151,9 @@ def load_hyp(changes: str | dict, task: str = "detect", where: str = "--hyp") ->
     if changes == "":
         changes = {}
     if not isinstance(changes, dict):
-        kind = type(changes).__name__
-        raise ConfigError(f"{where}: not a mapping of recipe keys to numbers (a {kind})")
+        raise ConfigError(
+            f"{where}: not a mapping of recipe keys to numbers (a {type(changes).__name__})"
+        )
     if unknown := sorted(str(k) for k in set(changes) - set(recipe)):
         raise ConfigError(f"{where}: unknown keys {unknown[:5]} (known: {', '.join(recipe)})")
     # each value: a finite number in its key's range (HYP_RANGES), 0 for a key not implemented
@@ -247,8 +248,10 @@ def build_model(args, data: dict, ckpt: dict | None, given: Model | None = None)
         # the classes differ: a new head for the data's, every other weight carried over
         model = Model(given.yaml, nc=data["nc"])
         kept = transfer(given.state_dict(), model, keep_anchors=True)
-        where = f"the model's {given.nc} classes -> the data's {data['nc']}"
-        dist.print0(f"New head ({where}): transferred {kept}/{len(model.state_dict())} items")
+        dist.print0(
+            f"New head (the model's {given.nc} classes -> the data's {data['nc']}): "
+            f"transferred {kept}/{len(model.state_dict())} items"
+        )
     frozen = frozen_layers(args.freeze, model)
     for k, p in model.named_parameters():
         p.requires_grad = int(k.split(".")[1]) not in frozen
@@ -300,8 +303,10 @@ def build_loaders(args, hyp: dict, model: Model, data: dict, info) -> tuple:
         given = f"train: {images} image per rank"
         if batch == 1:
             given = f"--batch-size {batch} per rank"
-        fix = f"use at least 2 images per rank, or --imgsz > {args.imgsz}"
-        raise ConfigError(f"{given} at --imgsz {args.imgsz}: {ONE_IMAGE}; {fix}")
+        raise ConfigError(
+            f"{given} at --imgsz {args.imgsz}: {ONE_IMAGE}; "
+            f"use at least 2 images per rank, or --imgsz > {args.imgsz}"
+        )
     ranks = dict(rank=info.rank, world_size=info.world_size, local_world_size=info.local_world_size)
     loader, _ = build_dataloader(
         train, batch, workers=args.workers, seed=args.seed, drop_single=one_fails, **ranks
@@ -443,11 +448,10 @@ def train_one_epoch(
             # the first epoch knows only its own training rate
             run_left = epoch_left + (args.epochs - epoch - 1) * (epoch_seconds or batches / rate)
             losses = "  ".join(f"{k} {v:.4g}" for k, v in zip(items, mean.tolist()))
-            print(
+            dist.print0(
                 f"epoch {epoch + 1}/{args.epochs} [{i + 1}/{batches}]  {rate:.2f} it/s  "
                 f"eta {clock(epoch_left)} (run {clock(run_left)})  {losses}  "
-                f"instances {len(batch['targets'])}  mem {peak_memory():.2f}G",
-                flush=True,
+                f"instances {len(batch['targets'])}  mem {peak_memory():.2f}G"
             )
     img_s = (batches - 1) * args.batch_size / (time.time() - t0) if batches > 1 else 0.0
     # train_batch0.jpg is written before the epoch ends
@@ -503,17 +507,19 @@ def run_callbacks(callbacks: dict, event: Event) -> None:
         try:
             fn(event)
         except Exception as e:
-            name = getattr(fn, "__qualname__", repr(fn))
             failed = (
-                f"callback {name} for {event.name} raised {type(e).__name__}: {e} "
+                f"callback {getattr(fn, '__qualname__', repr(fn))} for {event.name} raised "
+                f"{type(e).__name__}: {e} "
                 f"(rank {event.rank}, epoch {event.epoch})"
             )
             break
     # every rank learns of a failure on any rank, so none is left waiting in a collective
     failures = [f for f in dist.all_gather_object(failed) if f]
     if failures:
-        kept = "training stopped; weights/last.pt holds the last saved epoch"
-        raise CallbackError(f"{failures[0].splitlines()[0]}; {kept}")
+        raise CallbackError(
+            f"{failures[0].splitlines()[0]}; "
+            "training stopped; weights/last.pt holds the last saved epoch"
+        )
 
 
 # ---------------------------------------------------------------- the run
@@ -851,7 +857,7 @@ def save_epoch(setup: Setup, training: Training, fitted: Event, best: Best, rngs
 def print_epoch(epoch: int, epochs: int, img_s: float, metrics: dict | None) -> None:
     """The line of a finished epoch: its speed and validation metrics."""
     val = "  ".join(f"{k} {v:.3f}" for k, v in metrics["metrics"].items()) if metrics else "no val"
-    print(f"epoch {epoch + 1}/{epochs}: {img_s:.1f} img/s  {val}", flush=True)
+    dist.print0(f"epoch {epoch + 1}/{epochs}: {img_s:.1f} img/s  {val}")
 
 
 def validate_saved(training: Training, val_loader, save_dir: Path) -> dict:

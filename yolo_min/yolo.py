@@ -58,8 +58,10 @@ class YOLO:
             else:
                 self.load(source)
         elif source is not None:
-            why = "a cfg name or yaml path, a weights file or a Model"
-            raise TypeError(f"YOLO(source): {type(source).__name__} is not {why}")
+            raise TypeError(
+                f"YOLO(source): {type(source).__name__} is not "
+                "a cfg name or yaml path, a weights file or a Model"
+            )
 
     def new(self, cfg: str | Path | dict) -> YOLO:
         """A new model from a cfg, with the initial weights of `train.py --cfg cfg --seed 0`."""
@@ -111,8 +113,10 @@ class YOLO:
         model = self._model()
         for name in ("cfg", "weights"):
             if name in options:
-                why = "the model trained is this object's: YOLO(cfg or weights)"
-                raise TypeError(f"train(): {name} is not an option here; {why}")
+                raise TypeError(
+                    f"train(): {name} is not an option here; "
+                    "the model trained is this object's: YOLO(cfg or weights)"
+                )
         # YOLO("last.pt").train(resume=True) continues that run
         if options.get("resume") is True and self.ckpt_path is not None:
             options["resume"] = str(self.ckpt_path)
