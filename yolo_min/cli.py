@@ -15,9 +15,7 @@ class ConfigError(ValueError):
     """A bad argument or input file, found before any work: one actionable line, exit 2."""
 
 
-def parse_kwargs(
-    parser: argparse.ArgumentParser, kwargs: dict, fixed: dict | None = None, only=None
-) -> argparse.Namespace:
+def parse_kwargs(parser, kwargs: dict, fixed: dict | None = None, only=None) -> argparse.Namespace:
     """The parser's defaults updated by kwargs, each checked as the command line would check it:
     TypeError for an unknown option, a missing one or a value of the wrong type, ValueError for a
     value outside the choices. fixed: values the caller sets (not options); only: the options
@@ -83,7 +81,7 @@ def is_kind(value, kind: type) -> bool:
     return not isinstance(value, bool) and isinstance(value, accepted)
 
 
-def run_command(main, parser: argparse.ArgumentParser, errors=(ValueError, OSError)) -> None:
+def run_command(main, parser, errors=(ValueError, OSError)):
     """main(the command line); errors (a bad argument, weights or file): one line, exit 2."""
     # torch's millions of objects: no collection walks them again, not even at exit
     gc.freeze()

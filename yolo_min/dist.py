@@ -121,7 +121,7 @@ def torchrun_id() -> str | None:
     return run_id
 
 
-def cleanup() -> None:
+def cleanup():
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -134,7 +134,7 @@ def is_main() -> bool:
     return not _active() or dist.get_rank() == 0
 
 
-def barrier() -> None:
+def barrier():
     if _active():
         dist.barrier()
 
@@ -148,7 +148,7 @@ def all_gather_object(obj) -> list:
     return out
 
 
-def broadcast_tensors(tensors) -> None:
+def broadcast_tensors(tensors):
     """Overwrite each tensor in place with rank 0's (e.g. a model's state_dict values)."""
     if _active():
         for tensor in tensors:
@@ -200,6 +200,6 @@ def env_rank() -> int:
     return _environ_int("RANK")
 
 
-def print0(*args, **kwargs) -> None:
+def print0(*args, **kwargs):
     if is_main():
         print(*args, **kwargs, flush=True)

@@ -95,7 +95,7 @@ PRECISIONS = {
 ONE_IMAGE = "BatchNorm cannot train on 1 image when the last feature map is 1x1 pixel"
 
 
-def get_args_parser() -> argparse.ArgumentParser:
+def get_args_parser():
     # No abbreviations: the Python API takes only whole names, and so does the command line.
     parser = argparse.ArgumentParser(
         description="Train YOLOv5 detection, segmentation, classification", allow_abbrev=False
@@ -179,7 +179,7 @@ def in_range(value: float, bounds: str) -> bool:
     return above and below
 
 
-def check_args(args: argparse.Namespace, task: str, world_size: int) -> None:
+def check_args(args, task: str, world_size: int):
     """ConfigError naming the option unless the arguments (given or resumed) are usable; fills in
     the task's defaults and rounds --imgsz up to a multiple of 32."""
     defaults = TASK_DEFAULTS.get(task, DEFAULTS)
@@ -195,7 +195,7 @@ def check_args(args: argparse.Namespace, task: str, world_size: int) -> None:
     args.imgsz = validator.round_imgsz(args.imgsz, 32)
 
 
-def check_numbers(args: argparse.Namespace, world_size: int) -> None:
+def check_numbers(args, world_size: int):
     """ConfigError naming the first numeric option out of its range (None: the task's default,
     filled in later)."""
     for name, least in LEAST.items():
@@ -375,7 +375,7 @@ def forward_loss(model, criterion: YOLOLoss, batch: dict, device, amp: torch.dty
     return criterion(preds, *labels)
 
 
-def optimizer_step(model, optimizer, scaler, ema: ModelEMA | None) -> None:
+def optimizer_step(model, optimizer, scaler, ema: ModelEMA | None):
     scaler.unscale_(optimizer)
     # yolov5's max_norm
     nn.utils.clip_grad_norm_(model.parameters(), 10.0)
@@ -459,7 +459,7 @@ def train_one_epoch(
     return dict(zip(items, mean.tolist())), img_s
 
 
-def draw_first_batch(batch: dict, names: list, save_dir: Path) -> None:
+def draw_first_batch(batch: dict, names: list, save_dir: Path):
     """save_dir/train_batch0.jpg: the first training batch with its labels, drawn in a thread."""
     path = save_dir / "train_batch0.jpg"
     draw_later(batch["images"], batch["targets"], batch["masks"], fname=path, names=names)
@@ -498,7 +498,7 @@ class CallbackError(RuntimeError):
     """A callback raised: the run stopped on every rank."""
 
 
-def run_callbacks(callbacks: dict, event: Event) -> None:
+def run_callbacks(callbacks: dict, event: Event):
     """Call the event's callbacks; if one raises on any rank, CallbackError on every rank."""
     if not callbacks:
         return
@@ -609,7 +609,8 @@ def resumed_args(cli, path: str, ckpt: dict) -> argparse.Namespace:
     if cli.resume and ignored:
         flags = ", ".join("--" + k.replace("_", "-") for k in ignored)
         dist.print0(f"warning: --resume continues {path} with its own arguments; ignoring {flags}")
-    return argparse.Namespace(**(vars(own) | changed))
+    vars(own).update(changed)
+    return own
 
 
 @contextlib.contextmanager
@@ -760,7 +761,7 @@ def start_training(setup: Setup, info) -> Training:
     return build_training(model, setup.hyp, args, info)
 
 
-def print_start(setup: Setup, info, amp: torch.dtype | None) -> None:
+def print_start(setup: Setup, info, amp: torch.dtype | None):
     """The run's first lines: its task, ranks, device, batch, epochs and folder; its precision."""
     args = setup.args
     device = info.device.type
@@ -773,7 +774,7 @@ def print_start(setup: Setup, info, amp: torch.dtype | None) -> None:
     dist.print0(f"precision: {PRECISIONS[amp]} (--amp {args.amp})")
 
 
-def autoanchor(model: Model, train_set, threshold: float, args) -> None:
+def autoanchor(model: Model, train_set, threshold: float, args):
     """AutoAnchor on rank 0, in pixels; every rank gets its anchors, in grid units."""
     stride = model.stride.view(-1, 1, 1).to(model.head.anchors)
     pixels = (model.head.anchors * stride).view(-1, 2).cpu().numpy()
@@ -816,7 +817,7 @@ def resume(setup: Setup, training: Training, info) -> tuple[int, Best]:
     return start, Best(ckpt["best_fitness"], ckpt["best_epoch"])
 
 
-def save_epoch(setup: Setup, training: Training, fitted: Event, best: Best, rngs, last) -> None:
+def save_epoch(setup: Setup, training: Training, fitted: Event, best: Best, rngs, last):
     """On rank 0: the epoch's (fitted: its event after validation) last.pt, and best.pt if it
     validated best, with all a resume needs (rngs: every rank's random states), then its
     results.csv row; under --nosave only the run's last epoch's (final or early-stopped). The
@@ -854,7 +855,7 @@ def save_epoch(setup: Setup, training: Training, fitted: Event, best: Best, rngs
         results.write_text(text)
 
 
-def print_epoch(epoch: int, epochs: int, img_s: float, metrics: dict | None) -> None:
+def print_epoch(epoch: int, epochs: int, img_s: float, metrics: dict | None):
     """The line of a finished epoch: its speed and validation metrics."""
     val = "  ".join(f"{k} {v:.3f}" for k, v in metrics["metrics"].items()) if metrics else "no val"
     dist.print0(f"epoch {epoch + 1}/{epochs}: {img_s:.1f} img/s  {val}")
@@ -873,7 +874,7 @@ def validate_saved(training: Training, val_loader, save_dir: Path) -> dict:
 
 
 # ---------------------------------------------------------------- entry points
-def main(args: argparse.Namespace, model: Model | None = None, callbacks=None) -> dict:
+def main(args, model: Model | None = None, callbacks=None) -> dict:
     """Train (see `fit`); the process group lives as long as the call."""
     try:
         info = dist.setup(args.device)
