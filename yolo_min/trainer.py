@@ -100,43 +100,33 @@ def get_args_parser():
     parser = argparse.ArgumentParser(
         description="Train YOLOv5 detection, segmentation, classification", allow_abbrev=False
     )
-    parser.add_argument("--cfg", default="yolov5n.yaml", help="model cfg; its head sets the task")
-    parser.add_argument(
-        "--data", default="shapes", help="data yaml or folder, 'shapes', 'shapes-cls'"
-    )
-    parser.add_argument("--hyp", default="", help="yaml overriding keys of the recipe")
-    parser.add_argument("--weights", default="", help="initial weights: yolo_min or yolov5 .pt")
-    parser.add_argument("--epochs", type=int, default=100)
-    parser.add_argument(
-        "--batch-size", type=int, help="global, split over the ranks (16; classify 64)"
-    )
-    parser.add_argument("--imgsz", type=int, help="train and val image size (640; classify 224)")
-    parser.add_argument("--optimizer", choices=list(OPTIMIZERS), help="SGD (classify: Adam)")
-    parser.add_argument("--device", default="", help="cpu, cuda or a GPU index")
-    parser.add_argument(
-        "--amp", choices=["auto", "on", "off"], default="auto", help=validator.AMP_HELP
-    )
-    parser.add_argument("--workers", type=int, default=8, help="dataloader workers per rank")
-    parser.add_argument("--project", default="runs/train")
-    parser.add_argument("--name", default="exp")
-    parser.add_argument("--exist-ok", action="store_true", help="reuse project/name")
-    parser.add_argument(
-        "--resume", nargs="?", const=True, default=False, help="a last.pt, or newest"
-    )
-    parser.add_argument(
-        "--freeze", nargs="+", type=int, default=[0], help="first N, or listed layers"
-    )
-    parser.add_argument("--cos-lr", action="store_true", help="cosine lr schedule, not linear")
-    parser.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm across GPUs")
-    parser.add_argument("--patience", type=int, default=100, help="epochs without improvement")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--cache", choices=["auto", "ram", "off"], default="auto", help="images in RAM"
-    )
-    parser.add_argument("--log-every", type=int, default=10, help="a progress line every N batches")
-    parser.add_argument("--noautoanchor", action="store_true")
-    parser.add_argument("--noval", action="store_true", help="validate the final epoch only")
-    parser.add_argument("--nosave", action="store_true", help="save the final checkpoint only")
+    # the options in --help's order (args.yaml keeps it)
+    add = parser.add_argument
+    add("--cfg", default="yolov5n.yaml", help="model cfg; its head sets the task")
+    add("--data", default="shapes", help="data yaml or folder, 'shapes', 'shapes-cls'")
+    add("--hyp", default="", help="yaml overriding keys of the recipe")
+    add("--weights", default="", help="initial weights: yolo_min or yolov5 .pt")
+    add("--epochs", type=int, default=100)
+    add("--batch-size", type=int, help="global, split over the ranks (16; classify 64)")
+    add("--imgsz", type=int, help="train and val image size (640; classify 224)")
+    add("--optimizer", choices=list(OPTIMIZERS), help="SGD (classify: Adam)")
+    add("--device", default="", help="cpu, cuda or a GPU index")
+    add("--amp", choices=["auto", "on", "off"], default="auto", help=validator.AMP_HELP)
+    add("--workers", type=int, default=8, help="dataloader workers per rank")
+    add("--project", default="runs/train")
+    add("--name", default="exp")
+    add("--exist-ok", action="store_true", help="reuse project/name")
+    add("--resume", nargs="?", const=True, default=False, help="a last.pt, or newest")
+    add("--freeze", nargs="+", type=int, default=[0], help="first N, or listed layers")
+    add("--cos-lr", action="store_true", help="cosine lr schedule, not linear")
+    add("--sync-bn", action="store_true", help="SyncBatchNorm across GPUs")
+    add("--patience", type=int, default=100, help="epochs without improvement")
+    add("--seed", type=int, default=0)
+    add("--cache", choices=["auto", "ram", "off"], default="auto", help="images in RAM")
+    add("--log-every", type=int, default=10, help="a progress line every N batches")
+    add("--noautoanchor", action="store_true")
+    add("--noval", action="store_true", help="validate the final epoch only")
+    add("--nosave", action="store_true", help="save the final checkpoint only")
     return parser
 
 
