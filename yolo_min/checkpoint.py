@@ -68,8 +68,7 @@ def make_run_dir(args, hyp: dict, run_id: str | None, need_bytes: int) -> Path:
         own = Path(args.resume).parent.parent
     path = own or next_run_dir(args.project, args.name, args.exist_ok)
     # the folder's disk, or that of its nearest parent that exists
-    existing = next(p for p in (path, *path.parents) if p.exists())
-    free = shutil.disk_usage(existing).free
+    free = shutil.disk_usage(next(p for p in (path, *path.parents) if p.exists())).free
     if free < need_bytes:
         raise ValueError(
             f"{path}: only {free / 1e6:.1f} MB free on disk,"
@@ -233,11 +232,6 @@ def release_locks():
         # None: not a small file (gone, ...)
         if (_read_small(lock) or "").startswith(mine):
             lock.unlink(missing_ok=True)
-
-
-def held_runs() -> list[Path]:
-    """The run folders this process holds the locks of, the last taken last."""
-    return [lock.parent for lock in HELD_LOCKS]
 
 
 # ---------------------------------------------------------------- what a run saves

@@ -27,8 +27,10 @@ def parse_kwargs(parser, kwargs: dict, fixed: dict | None = None, only=None) -> 
     if unknown:
         close = difflib.get_close_matches(unknown[0], valid, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
-        names = ", ".join(map(repr, unknown))
-        raise TypeError(f"unknown option {names}{hint}; the options are: {', '.join(valid)}")
+        raise TypeError(
+            f"unknown option {', '.join(map(repr, unknown))}{hint}; "
+            f"the options are: {', '.join(valid)}"
+        )
     missing = [name for name in valid if actions[name].required and name not in kwargs]
     if missing:
         raise TypeError(f"missing option(s): {', '.join(map(repr, missing))}")
@@ -90,5 +92,4 @@ def run_command(main, parser, errors=(ValueError, OSError)):
     except errors as e:
         why = f"{parser.prog}: error: {str(e).splitlines()[0]}\n"
         # under torchrun every rank fails alike: rank 0 says it once
-        first = dist.env_rank() == 0
-        parser.exit(2, why if first else None)
+        parser.exit(2, why if dist.env_rank() == 0 else None)

@@ -583,8 +583,10 @@ def resumed_args(cli, path: str, ckpt: dict) -> argparse.Namespace:
     # a dict: checkpoint.load checked
     stored = ckpt["args"]
     if set(stored) != set(defaults):
-        differ = sorted(map(str, set(stored) ^ set(defaults)))[:5]
-        raise ConfigError(f"--resume: {path}: not train.py's arguments ({differ})")
+        raise ConfigError(
+            f"--resume: {path}: not train.py's arguments "
+            f"({sorted(map(str, set(stored) ^ set(defaults)))[:5]})"
+        )
     try:
         own = parse_kwargs(parser, {k: v for k, v in stored.items() if k != "resume"})
     except (TypeError, ValueError) as e:
@@ -772,9 +774,10 @@ def autoanchor(model: Model, train_set, threshold: float, args):
         lambda: check_anchors(train_set.labels, pixels, threshold, imgsz=args.imgsz, seed=args.seed)
     )
     if new is not None:
-        new = torch.from_numpy(new).to(stride).view_as(model.head.anchors)
         # pixels -> grid units
-        model.head.anchors[:] = new / stride
+        model.head.anchors[:] = (
+            torch.from_numpy(new).to(stride).view_as(model.head.anchors) / stride
+        )
 
 
 # ---------------------------------------------------------------- resume and save
@@ -885,7 +888,7 @@ class Stopped(KeyboardInterrupt):
 
 def stop_note(nosave: bool) -> str:
     """What a stopped training leaves to --resume (rank 0: the run folder it holds)."""
-    runs = checkpoint.held_runs()
+    runs = [lock.parent for lock in checkpoint.HELD_LOCKS]
     if not runs:
         return "no run folder was written"
     if (runs[-1] / "weights" / "last.pt").is_file():
