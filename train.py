@@ -19,7 +19,7 @@ def stop_on_sigterm(signum, frame):
     raise KeyboardInterrupt("SIGTERM")
 
 
-def main() -> None:
+def main():
     """The command line: exit 2 for a bad configuration (said once, by rank 0), 1 for a non-finite
     loss or a checkpoint that cannot be written, 130 / 143 when stopped by Ctrl-C / SIGTERM."""
     # under torchrun SIGTERM ends a rank at once

@@ -68,8 +68,7 @@ def make_run_dir(args, hyp: dict, run_id: str | None, need_bytes: int) -> Path:
         own = Path(args.resume).parent.parent
     path = own or next_run_dir(args.project, args.name, args.exist_ok)
     # the folder's disk, or that of its nearest parent that exists
-    existing = next(p for p in (path, *path.parents) if p.exists())
-    free = shutil.disk_usage(existing).free
+    free = shutil.disk_usage(next(p for p in (path, *path.parents) if p.exists())).free
     if free < need_bytes:
         raise ValueError(
             f"{path}: only {free / 1e6:.1f} MB free on disk,"
@@ -87,7 +86,7 @@ def make_run_dir(args, hyp: dict, run_id: str | None, need_bytes: int) -> Path:
     return path
 
 
-def restore_results(ckpt: dict, run: Path) -> None:
+def restore_results(ckpt: dict, run: Path):
     """results.csv as the checkpoint (checked by `load`: a str if there) saved it (the rows of the
     epochs it holds), if it holds one: a crash between the checkpoint and its row loses no row."""
     if "results_csv" in ckpt:
@@ -162,7 +161,7 @@ def _last_active(run: Path) -> float:
 
 
 # ---------------------------------------------------------------- run folder locks
-def lock_run(run: Path, run_id: str | None) -> None:
+def lock_run(run: Path, run_id: str | None):
     """Take run's lock file for this process (O_EXCL: one training writes a run folder at a time);
     ValueError naming the holder while it lives. A holder that is gone (its pid no longer alive on
     this host, or this torchrun run before a restart) is replaced; the lock is this process's
@@ -188,7 +187,7 @@ def lock_run(run: Path, run_id: str | None) -> None:
     raise ValueError(f"{run} is being locked by another training at the same time ({lock})")
 
 
-def _remove_if_stale(lock: Path, run_id: str | None) -> None:
+def _remove_if_stale(lock: Path, run_id: str | None):
     """Remove a lock file whose holder is gone; ValueError naming a live one."""
     text = _read_small(lock)
     # removed meanwhile: take it
@@ -225,7 +224,7 @@ def _gone(pid: int) -> bool:
     return False
 
 
-def release_locks() -> None:
+def release_locks():
     """Remove the lock files this process took (a run's end, error or stop)."""
     mine = f"{os.getpid()}\n{socket.gethostname()}\n"
     for lock in list(HELD_LOCKS):
@@ -233,11 +232,6 @@ def release_locks() -> None:
         # None: not a small file (gone, ...)
         if (_read_small(lock) or "").startswith(mine):
             lock.unlink(missing_ok=True)
-
-
-def held_runs() -> list[Path]:
-    """The run folders this process holds the locks of, the last taken last."""
-    return [lock.parent for lock in HELD_LOCKS]
 
 
 # ---------------------------------------------------------------- what a run saves
@@ -255,7 +249,7 @@ def rng_state() -> dict:
     }
 
 
-def set_rng_state(state: dict) -> None:
+def set_rng_state(state: dict):
     """Restore what `rng_state` returned."""
     # numpy's key: any sequence of uint32
     np.random.set_state(tuple(state["numpy"]))
@@ -265,14 +259,21 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def training_state(model, ema, optimizer, scaler, epoch, best, args, hyp, rngs) -> dict:
-    """All a run needs to continue; epoch: the last finished (0-based), best: (fitness, epoch)."""
-    # tensors on the CPU: a file written on a GPU loads anywhere with torch.load
+def model_state(model) -> dict:
+    """What val.py, predict.py and YOLO(path) load: the model's cfg, names, task and weights (on
+    the CPU)."""
     return dict(
         model_cfg=model.yaml,
         names=list(model.names),
         task=model.task,
         model=cpu_state(model.state_dict()),
+    )
+
+
+def training_state(model, ema, optimizer, scaler, epoch, best, args, hyp, rngs) -> dict:
+    """All a run needs to continue; epoch: the last finished (0-based), best: (fitness, epoch)."""
+    # tensors on the CPU: a file written on a GPU loads anywhere with torch.load
+    return model_state(model) | dict(
         ema=cpu_state(ema.ema.state_dict()),
         optimizer=cpu_state(optimizer.state_dict()),
         scaler=scaler.state_dict(),
@@ -330,7 +331,7 @@ def _setting_types(optimizer) -> list[dict]:
     return [{k: type(v) for k, v in group.items()} for group in optimizer.param_groups]
 
 
-def save(state: dict, path: str | Path) -> None:
+def save(state: dict, path: str | Path):
     """torch.save atomically: a crash, kill or full disk (SaveError) leaves the old file whole."""
     # written, fsynced, then renamed over path
     tmp = Path(f"{path}.tmp")

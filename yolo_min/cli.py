@@ -15,9 +15,7 @@ class ConfigError(ValueError):
     """A bad argument or input file, found before any work: one actionable line, exit 2."""
 
 
-def parse_kwargs(
-    parser: argparse.ArgumentParser, kwargs: dict, fixed: dict | None = None, only=None
-) -> argparse.Namespace:
+def parse_kwargs(parser, kwargs: dict, fixed: dict | None = None, only=None) -> argparse.Namespace:
     """The parser's defaults updated by kwargs, each checked as the command line would check it:
     TypeError for an unknown option, a missing one or a value of the wrong type, ValueError for a
     value outside the choices. fixed: values the caller sets (not options); only: the options
@@ -29,8 +27,10 @@ def parse_kwargs(
     if unknown:
         close = difflib.get_close_matches(unknown[0], valid, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
-        names = ", ".join(map(repr, unknown))
-        raise TypeError(f"unknown option {names}{hint}; the options are: {', '.join(valid)}")
+        raise TypeError(
+            f"unknown option {', '.join(map(repr, unknown))}{hint}; "
+            f"the options are: {', '.join(valid)}"
+        )
     missing = [name for name in valid if actions[name].required and name not in kwargs]
     if missing:
         raise TypeError(f"missing option(s): {', '.join(map(repr, missing))}")
@@ -65,8 +65,9 @@ def check_value(action: argparse.Action, name: str, value):
     if not ok:
         raise TypeError(f"option {name}={value!r:.60}: expected {expected}")
     if action.choices and value not in action.choices and value != action.default:
-        choices = ", ".join(map(str, action.choices))
-        raise ValueError(f"option {name}={value!r:.60}: expected one of {choices}")
+        raise ValueError(
+            f"option {name}={value!r:.60}: expected one of {', '.join(map(str, action.choices))}"
+        )
     if isinstance(value, os.PathLike):
         return os.fspath(value)
     if isinstance(value, tuple):
@@ -82,7 +83,7 @@ def is_kind(value, kind: type) -> bool:
     return not isinstance(value, bool) and isinstance(value, accepted)
 
 
-def run_command(main, parser: argparse.ArgumentParser, errors=(ValueError, OSError)) -> None:
+def run_command(main, parser, errors=(ValueError, OSError)):
     """main(the command line); errors (a bad argument, weights or file): one line, exit 2."""
     # torch's millions of objects: no collection walks them again, not even at exit
     gc.freeze()
@@ -91,5 +92,4 @@ def run_command(main, parser: argparse.ArgumentParser, errors=(ValueError, OSErr
     except errors as e:
         why = f"{parser.prog}: error: {str(e).splitlines()[0]}\n"
         # under torchrun every rank fails alike: rank 0 says it once
-        first = dist.env_rank() == 0
-        parser.exit(2, why if first else None)
+        parser.exit(2, why if dist.env_rank() == 0 else None)

@@ -97,24 +97,19 @@ def setup(device: str) -> DistInfo:
             chosen = torch.device("cuda", local_rank)
         torch.cuda.set_device(chosen)
     if world_size > 1 and not dist.is_initialized():
+        # Join torchrun's process group through a store of this group's own: torchrun's agent
+        # keeps one store across restarts and across the groups a script makes one after another
+        # (YOLO.train, then .val). A key prefix per attempt and group stops a new group from
+        # reading the addresses of an old one (pytorch/pytorch#135712).
+        options = dict(rank=rank, world_size=world_size, timeout=datetime.timedelta(minutes=10))
+        # A TCPStore with this timeout.
+        store, _, _ = next(dist.rendezvous("env://", **options))
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        group = store.add(f"yolo_min/attempt{attempt}/groups_of_rank{rank}", 1)
+        store = dist.PrefixStore(f"yolo_min/attempt{attempt}/group{group}", store)
         backend = "nccl" if chosen.type == "cuda" else "gloo"
-        _init_process_group(rank, world_size, backend)
+        dist.init_process_group(backend, store=store, **options)
     return DistInfo(rank, world_size, local_size, device=chosen)
-
-
-def _init_process_group(rank, world_size, backend):
-    """Join torchrun's process group through a store of this group's own."""
-    # torchrun's agent keeps one store across restarts and across the groups a script makes one
-    # after another (YOLO.train, then .val). A key prefix per attempt and group stops a new group
-    # from reading the addresses of an old one (pytorch/pytorch#135712).
-    timeout = datetime.timedelta(minutes=10)
-    options = dict(rank=rank, world_size=world_size, timeout=timeout)
-    # A TCPStore with this timeout.
-    store, _, _ = next(dist.rendezvous("env://", **options))
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    group = store.add(f"yolo_min/attempt{attempt}/groups_of_rank{rank}", 1)
-    store = dist.PrefixStore(f"yolo_min/attempt{attempt}/group{group}", store)
-    dist.init_process_group(backend, store=store, **options)
 
 
 def torchrun_id() -> str | None:
@@ -126,7 +121,7 @@ def torchrun_id() -> str | None:
     return run_id
 
 
-def cleanup() -> None:
+def cleanup():
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -139,7 +134,7 @@ def is_main() -> bool:
     return not _active() or dist.get_rank() == 0
 
 
-def barrier() -> None:
+def barrier():
     if _active():
         dist.barrier()
 
@@ -153,7 +148,7 @@ def all_gather_object(obj) -> list:
     return out
 
 
-def broadcast_tensors(tensors) -> None:
+def broadcast_tensors(tensors):
     """Overwrite each tensor in place with rank 0's (e.g. a model's state_dict values)."""
     if _active():
         for tensor in tensors:
@@ -205,6 +200,6 @@ def env_rank() -> int:
     return _environ_int("RANK")
 
 
-def print0(*args, **kwargs) -> None:
+def print0(*args, **kwargs):
     if is_main():
         print(*args, **kwargs, flush=True)

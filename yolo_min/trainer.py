@@ -95,48 +95,38 @@ PRECISIONS = {
 ONE_IMAGE = "BatchNorm cannot train on 1 image when the last feature map is 1x1 pixel"
 
 
-def get_args_parser() -> argparse.ArgumentParser:
+def get_args_parser():
     # No abbreviations: the Python API takes only whole names, and so does the command line.
     parser = argparse.ArgumentParser(
         description="Train YOLOv5 detection, segmentation, classification", allow_abbrev=False
     )
-    parser.add_argument("--cfg", default="yolov5n.yaml", help="model cfg; its head sets the task")
-    parser.add_argument(
-        "--data", default="shapes", help="data yaml or folder, 'shapes', 'shapes-cls'"
-    )
-    parser.add_argument("--hyp", default="", help="yaml overriding keys of the recipe")
-    parser.add_argument("--weights", default="", help="initial weights: yolo_min or yolov5 .pt")
-    parser.add_argument("--epochs", type=int, default=100)
-    parser.add_argument(
-        "--batch-size", type=int, help="global, split over the ranks (16; classify 64)"
-    )
-    parser.add_argument("--imgsz", type=int, help="train and val image size (640; classify 224)")
-    parser.add_argument("--optimizer", choices=list(OPTIMIZERS), help="SGD (classify: Adam)")
-    parser.add_argument("--device", default="", help="cpu, cuda or a GPU index")
-    parser.add_argument(
-        "--amp", choices=["auto", "on", "off"], default="auto", help=validator.AMP_HELP
-    )
-    parser.add_argument("--workers", type=int, default=8, help="dataloader workers per rank")
-    parser.add_argument("--project", default="runs/train")
-    parser.add_argument("--name", default="exp")
-    parser.add_argument("--exist-ok", action="store_true", help="reuse project/name")
-    parser.add_argument(
-        "--resume", nargs="?", const=True, default=False, help="a last.pt, or newest"
-    )
-    parser.add_argument(
-        "--freeze", nargs="+", type=int, default=[0], help="first N, or listed layers"
-    )
-    parser.add_argument("--cos-lr", action="store_true", help="cosine lr schedule, not linear")
-    parser.add_argument("--sync-bn", action="store_true", help="SyncBatchNorm across GPUs")
-    parser.add_argument("--patience", type=int, default=100, help="epochs without improvement")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--cache", choices=["auto", "ram", "off"], default="auto", help="images in RAM"
-    )
-    parser.add_argument("--log-every", type=int, default=10, help="a progress line every N batches")
-    parser.add_argument("--noautoanchor", action="store_true")
-    parser.add_argument("--noval", action="store_true", help="validate the final epoch only")
-    parser.add_argument("--nosave", action="store_true", help="save the final checkpoint only")
+    # the options in --help's order (args.yaml keeps it)
+    add = parser.add_argument
+    add("--cfg", default="yolov5n.yaml", help="model cfg; its head sets the task")
+    add("--data", default="shapes", help="data yaml or folder, 'shapes', 'shapes-cls'")
+    add("--hyp", default="", help="yaml overriding keys of the recipe")
+    add("--weights", default="", help="initial weights: yolo_min or yolov5 .pt")
+    add("--epochs", type=int, default=100)
+    add("--batch-size", type=int, help="global, split over the ranks (16; classify 64)")
+    add("--imgsz", type=int, help="train and val image size (640; classify 224)")
+    add("--optimizer", choices=list(OPTIMIZERS), help="SGD (classify: Adam)")
+    add("--device", default="", help="cpu, cuda or a GPU index")
+    add("--amp", choices=["auto", "on", "off"], default="auto", help=validator.AMP_HELP)
+    add("--workers", type=int, default=8, help="dataloader workers per rank")
+    add("--project", default="runs/train")
+    add("--name", default="exp")
+    add("--exist-ok", action="store_true", help="reuse project/name")
+    add("--resume", nargs="?", const=True, default=False, help="a last.pt, or newest")
+    add("--freeze", nargs="+", type=int, default=[0], help="first N, or listed layers")
+    add("--cos-lr", action="store_true", help="cosine lr schedule, not linear")
+    add("--sync-bn", action="store_true", help="SyncBatchNorm across GPUs")
+    add("--patience", type=int, default=100, help="epochs without improvement")
+    add("--seed", type=int, default=0)
+    add("--cache", choices=["auto", "ram", "off"], default="auto", help="images in RAM")
+    add("--log-every", type=int, default=10, help="a progress line every N batches")
+    add("--noautoanchor", action="store_true")
+    add("--noval", action="store_true", help="validate the final epoch only")
+    add("--nosave", action="store_true", help="save the final checkpoint only")
     return parser
 
 
@@ -151,8 +141,9 @@ def load_hyp(changes: str | dict, task: str = "detect", where: str = "--hyp") ->
     if changes == "":
         changes = {}
     if not isinstance(changes, dict):
-        kind = type(changes).__name__
-        raise ConfigError(f"{where}: not a mapping of recipe keys to numbers (a {kind})")
+        raise ConfigError(
+            f"{where}: not a mapping of recipe keys to numbers (a {type(changes).__name__})"
+        )
     if unknown := sorted(str(k) for k in set(changes) - set(recipe)):
         raise ConfigError(f"{where}: unknown keys {unknown[:5]} (known: {', '.join(recipe)})")
     # each value: a finite number in its key's range (HYP_RANGES), 0 for a key not implemented
@@ -178,7 +169,7 @@ def in_range(value: float, bounds: str) -> bool:
     return above and below
 
 
-def check_args(args: argparse.Namespace, task: str, world_size: int) -> None:
+def check_args(args, task: str, world_size: int):
     """ConfigError naming the option unless the arguments (given or resumed) are usable; fills in
     the task's defaults and rounds --imgsz up to a multiple of 32."""
     defaults = TASK_DEFAULTS.get(task, DEFAULTS)
@@ -194,7 +185,7 @@ def check_args(args: argparse.Namespace, task: str, world_size: int) -> None:
     args.imgsz = validator.round_imgsz(args.imgsz, 32)
 
 
-def check_numbers(args: argparse.Namespace, world_size: int) -> None:
+def check_numbers(args, world_size: int):
     """ConfigError naming the first numeric option out of its range (None: the task's default,
     filled in later)."""
     for name, least in LEAST.items():
@@ -247,8 +238,10 @@ def build_model(args, data: dict, ckpt: dict | None, given: Model | None = None)
         # the classes differ: a new head for the data's, every other weight carried over
         model = Model(given.yaml, nc=data["nc"])
         kept = transfer(given.state_dict(), model, keep_anchors=True)
-        where = f"the model's {given.nc} classes -> the data's {data['nc']}"
-        dist.print0(f"New head ({where}): transferred {kept}/{len(model.state_dict())} items")
+        dist.print0(
+            f"New head (the model's {given.nc} classes -> the data's {data['nc']}): "
+            f"transferred {kept}/{len(model.state_dict())} items"
+        )
     frozen = frozen_layers(args.freeze, model)
     for k, p in model.named_parameters():
         p.requires_grad = int(k.split(".")[1]) not in frozen
@@ -300,8 +293,10 @@ def build_loaders(args, hyp: dict, model: Model, data: dict, info) -> tuple:
         given = f"train: {images} image per rank"
         if batch == 1:
             given = f"--batch-size {batch} per rank"
-        fix = f"use at least 2 images per rank, or --imgsz > {args.imgsz}"
-        raise ConfigError(f"{given} at --imgsz {args.imgsz}: {ONE_IMAGE}; {fix}")
+        raise ConfigError(
+            f"{given} at --imgsz {args.imgsz}: {ONE_IMAGE}; "
+            f"use at least 2 images per rank, or --imgsz > {args.imgsz}"
+        )
     ranks = dict(rank=info.rank, world_size=info.world_size, local_world_size=info.local_world_size)
     loader, _ = build_dataloader(
         train, batch, workers=args.workers, seed=args.seed, drop_single=one_fails, **ranks
@@ -370,7 +365,7 @@ def forward_loss(model, criterion: YOLOLoss, batch: dict, device, amp: torch.dty
     return criterion(preds, *labels)
 
 
-def optimizer_step(model, optimizer, scaler, ema: ModelEMA | None) -> None:
+def optimizer_step(model, optimizer, scaler, ema: ModelEMA | None):
     scaler.unscale_(optimizer)
     # yolov5's max_norm
     nn.utils.clip_grad_norm_(model.parameters(), 10.0)
@@ -443,11 +438,10 @@ def train_one_epoch(
             # the first epoch knows only its own training rate
             run_left = epoch_left + (args.epochs - epoch - 1) * (epoch_seconds or batches / rate)
             losses = "  ".join(f"{k} {v:.4g}" for k, v in zip(items, mean.tolist()))
-            print(
+            dist.print0(
                 f"epoch {epoch + 1}/{args.epochs} [{i + 1}/{batches}]  {rate:.2f} it/s  "
                 f"eta {clock(epoch_left)} (run {clock(run_left)})  {losses}  "
-                f"instances {len(batch['targets'])}  mem {peak_memory():.2f}G",
-                flush=True,
+                f"instances {len(batch['targets'])}  mem {peak_memory():.2f}G"
             )
     img_s = (batches - 1) * args.batch_size / (time.time() - t0) if batches > 1 else 0.0
     # train_batch0.jpg is written before the epoch ends
@@ -455,7 +449,7 @@ def train_one_epoch(
     return dict(zip(items, mean.tolist())), img_s
 
 
-def draw_first_batch(batch: dict, names: list, save_dir: Path) -> None:
+def draw_first_batch(batch: dict, names: list, save_dir: Path):
     """save_dir/train_batch0.jpg: the first training batch with its labels, drawn in a thread."""
     path = save_dir / "train_batch0.jpg"
     draw_later(batch["images"], batch["targets"], batch["masks"], fname=path, names=names)
@@ -494,7 +488,7 @@ class CallbackError(RuntimeError):
     """A callback raised: the run stopped on every rank."""
 
 
-def run_callbacks(callbacks: dict, event: Event) -> None:
+def run_callbacks(callbacks: dict, event: Event):
     """Call the event's callbacks; if one raises on any rank, CallbackError on every rank."""
     if not callbacks:
         return
@@ -503,17 +497,19 @@ def run_callbacks(callbacks: dict, event: Event) -> None:
         try:
             fn(event)
         except Exception as e:
-            name = getattr(fn, "__qualname__", repr(fn))
             failed = (
-                f"callback {name} for {event.name} raised {type(e).__name__}: {e} "
+                f"callback {getattr(fn, '__qualname__', repr(fn))} for {event.name} raised "
+                f"{type(e).__name__}: {e} "
                 f"(rank {event.rank}, epoch {event.epoch})"
             )
             break
     # every rank learns of a failure on any rank, so none is left waiting in a collective
     failures = [f for f in dist.all_gather_object(failed) if f]
     if failures:
-        kept = "training stopped; weights/last.pt holds the last saved epoch"
-        raise CallbackError(f"{failures[0].splitlines()[0]}; {kept}")
+        raise CallbackError(
+            f"{failures[0].splitlines()[0]}; "
+            "training stopped; weights/last.pt holds the last saved epoch"
+        )
 
 
 # ---------------------------------------------------------------- the run
@@ -587,8 +583,10 @@ def resumed_args(cli, path: str, ckpt: dict) -> argparse.Namespace:
     # a dict: checkpoint.load checked
     stored = ckpt["args"]
     if set(stored) != set(defaults):
-        differ = sorted(map(str, set(stored) ^ set(defaults)))[:5]
-        raise ConfigError(f"--resume: {path}: not train.py's arguments ({differ})")
+        raise ConfigError(
+            f"--resume: {path}: not train.py's arguments "
+            f"({sorted(map(str, set(stored) ^ set(defaults)))[:5]})"
+        )
     try:
         own = parse_kwargs(parser, {k: v for k, v in stored.items() if k != "resume"})
     except (TypeError, ValueError) as e:
@@ -603,7 +601,8 @@ def resumed_args(cli, path: str, ckpt: dict) -> argparse.Namespace:
     if cli.resume and ignored:
         flags = ", ".join("--" + k.replace("_", "-") for k in ignored)
         dist.print0(f"warning: --resume continues {path} with its own arguments; ignoring {flags}")
-    return argparse.Namespace(**(vars(own) | changed))
+    vars(own).update(changed)
+    return own
 
 
 @contextlib.contextmanager
@@ -754,7 +753,7 @@ def start_training(setup: Setup, info) -> Training:
     return build_training(model, setup.hyp, args, info)
 
 
-def print_start(setup: Setup, info, amp: torch.dtype | None) -> None:
+def print_start(setup: Setup, info, amp: torch.dtype | None):
     """The run's first lines: its task, ranks, device, batch, epochs and folder; its precision."""
     args = setup.args
     device = info.device.type
@@ -767,7 +766,7 @@ def print_start(setup: Setup, info, amp: torch.dtype | None) -> None:
     dist.print0(f"precision: {PRECISIONS[amp]} (--amp {args.amp})")
 
 
-def autoanchor(model: Model, train_set, threshold: float, args) -> None:
+def autoanchor(model: Model, train_set, threshold: float, args):
     """AutoAnchor on rank 0, in pixels; every rank gets its anchors, in grid units."""
     stride = model.stride.view(-1, 1, 1).to(model.head.anchors)
     pixels = (model.head.anchors * stride).view(-1, 2).cpu().numpy()
@@ -775,9 +774,10 @@ def autoanchor(model: Model, train_set, threshold: float, args) -> None:
         lambda: check_anchors(train_set.labels, pixels, threshold, imgsz=args.imgsz, seed=args.seed)
     )
     if new is not None:
-        new = torch.from_numpy(new).to(stride).view_as(model.head.anchors)
         # pixels -> grid units
-        model.head.anchors[:] = new / stride
+        model.head.anchors[:] = (
+            torch.from_numpy(new).to(stride).view_as(model.head.anchors) / stride
+        )
 
 
 # ---------------------------------------------------------------- resume and save
@@ -810,7 +810,7 @@ def resume(setup: Setup, training: Training, info) -> tuple[int, Best]:
     return start, Best(ckpt["best_fitness"], ckpt["best_epoch"])
 
 
-def save_epoch(setup: Setup, training: Training, fitted: Event, best: Best, rngs, last) -> None:
+def save_epoch(setup: Setup, training: Training, fitted: Event, best: Best, rngs, last):
     """On rank 0: the epoch's (fitted: its event after validation) last.pt, and best.pt if it
     validated best, with all a resume needs (rngs: every rank's random states), then its
     results.csv row; under --nosave only the run's last epoch's (final or early-stopped). The
@@ -848,10 +848,10 @@ def save_epoch(setup: Setup, training: Training, fitted: Event, best: Best, rngs
         results.write_text(text)
 
 
-def print_epoch(epoch: int, epochs: int, img_s: float, metrics: dict | None) -> None:
+def print_epoch(epoch: int, epochs: int, img_s: float, metrics: dict | None):
     """The line of a finished epoch: its speed and validation metrics."""
     val = "  ".join(f"{k} {v:.3f}" for k, v in metrics["metrics"].items()) if metrics else "no val"
-    print(f"epoch {epoch + 1}/{epochs}: {img_s:.1f} img/s  {val}", flush=True)
+    dist.print0(f"epoch {epoch + 1}/{epochs}: {img_s:.1f} img/s  {val}")
 
 
 def validate_saved(training: Training, val_loader, save_dir: Path) -> dict:
@@ -867,7 +867,7 @@ def validate_saved(training: Training, val_loader, save_dir: Path) -> dict:
 
 
 # ---------------------------------------------------------------- entry points
-def main(args: argparse.Namespace, model: Model | None = None, callbacks=None) -> dict:
+def main(args, model: Model | None = None, callbacks=None) -> dict:
     """Train (see `fit`); the process group lives as long as the call."""
     try:
         info = dist.setup(args.device)
@@ -888,7 +888,7 @@ class Stopped(KeyboardInterrupt):
 
 def stop_note(nosave: bool) -> str:
     """What a stopped training leaves to --resume (rank 0: the run folder it holds)."""
-    runs = checkpoint.held_runs()
+    runs = [lock.parent for lock in checkpoint.HELD_LOCKS]
     if not runs:
         return "no run folder was written"
     if (runs[-1] / "weights" / "last.pt").is_file():

@@ -22,17 +22,8 @@ from .models import Model
 from .safe_load import load_model
 
 # predict.py's options that YOLO.predict takes (it returns results and writes no files)
-PREDICT_OPTIONS = (
-    "imgsz",
-    "conf_thres",
-    "iou_thres",
-    "max_det",
-    "classes",
-    "agnostic_nms",
-    "batch_size",
-    "workers",
-    "device",
-    "amp",
+PREDICT_OPTIONS = tuple(
+    "imgsz conf_thres iou_thres max_det classes agnostic_nms batch_size workers device amp".split()
 )
 
 
@@ -58,8 +49,10 @@ class YOLO:
             else:
                 self.load(source)
         elif source is not None:
-            why = "a cfg name or yaml path, a weights file or a Model"
-            raise TypeError(f"YOLO(source): {type(source).__name__} is not {why}")
+            raise TypeError(
+                f"YOLO(source): {type(source).__name__} is not "
+                "a cfg name or yaml path, a weights file or a Model"
+            )
 
     def new(self, cfg: str | Path | dict) -> YOLO:
         """A new model from a cfg, with the initial weights of `train.py --cfg cfg --seed 0`."""
@@ -95,7 +88,7 @@ class YOLO:
             raise ValueError("YOLO(): no model yet: YOLO(cfg or weights), .new(cfg) or .load(path)")
         return self.model
 
-    def add_callback(self, event: str, fn) -> None:
+    def add_callback(self, event: str, fn):
         """Call fn(trainer.Event) at event (trainer.EVENTS), on every rank, while training."""
         if event not in self.callbacks:
             raise ValueError(f"add_callback: unknown event {event!r} (events: {trainer.EVENTS})")
@@ -111,8 +104,10 @@ class YOLO:
         model = self._model()
         for name in ("cfg", "weights"):
             if name in options:
-                why = "the model trained is this object's: YOLO(cfg or weights)"
-                raise TypeError(f"train(): {name} is not an option here; {why}")
+                raise TypeError(
+                    f"train(): {name} is not an option here; "
+                    "the model trained is this object's: YOLO(cfg or weights)"
+                )
         # YOLO("last.pt").train(resume=True) continues that run
         if options.get("resume") is True and self.ckpt_path is not None:
             options["resume"] = str(self.ckpt_path)
@@ -139,8 +134,9 @@ class YOLO:
         data = data or self.data
         if data is None:
             raise ValueError("val(): no data: give data=..., or train this model first")
-        fixed = {"weights": "", "data": data}
-        args = parse_kwargs(validator.get_args_parser(), options, fixed=fixed)
+        args = parse_kwargs(
+            validator.get_args_parser(), options, fixed={"weights": "", "data": data}
+        )
         return validator.main(args, model=model)
 
     def predict(self, source, stream: bool = False, **options):
@@ -171,9 +167,7 @@ class YOLO:
         """Write the model as a checkpoint that val.py, predict.py and YOLO(path) load (on rank 0
         only under torchrun; atomically)."""
         model = self._model()
-        weights = checkpoint.cpu_state(model.state_dict())
-        state = dict(model_cfg=model.yaml, names=list(model.names), task=model.task, model=weights)
         if dist.env_rank() == 0:
-            checkpoint.save(state, path)
+            checkpoint.save(checkpoint.model_state(model), path)
         self.ckpt_path = Path(path)
         return self.ckpt_path
