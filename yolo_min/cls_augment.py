@@ -15,8 +15,12 @@ import torch
 from torchvision.ops import roi_align
 from torchvision.transforms.v2.functional import rgb_to_grayscale
 
+from . import datasets
+
 SCALE = (0.08, 1.0)
 RATIO = (3 / 4, 4 / 3)
+# the aspect ratio is drawn uniformly on a log scale
+LOG_RATIO = (math.log(RATIO[0]), math.log(RATIO[1]))
 FLIP = 0.5
 JITTER = 0.4
 JITTER_P = 0.5
@@ -27,7 +31,7 @@ def crop_box(rng: random.Random, height: int, width: int) -> tuple:
     at a random area and aspect ratio, else the centre crop at the aspect ratio nearest its own."""
     for _ in range(10):
         area = height * width * rng.uniform(*SCALE)
-        aspect = math.exp(rng.uniform(*map(math.log, RATIO)))
+        aspect = math.exp(rng.uniform(*LOG_RATIO))
         w = round(math.sqrt(area * aspect))
         h = round(math.sqrt(area / aspect))
         if 0 < w <= width and 0 < h <= height:
@@ -48,7 +52,9 @@ def draw(key: tuple, height: int, width: int) -> tuple:
     index) is key."""
     rng = random.Random("%d:%d:%d" % key)
     top, left, h, w = crop_box(rng, height, width)
-    box = (left / width, top / height, (left + w) / width, (top + h) / height)
+    right = (left + w) / width
+    bottom = (top + h) / height
+    box = (left / width, top / height, right, bottom)
     flip = rng.random() < FLIP
     colour = (1.0, 1.0, 1.0)
     if rng.random() < JITTER_P:
@@ -59,9 +65,10 @@ def draw(key: tuple, height: int, width: int) -> tuple:
 def augment(images: torch.Tensor, sizes: list, keys: list) -> torch.Tensor:
     """uint8 (bs,3,S,S), image k stretched from its original sizes[k] (h, w) px, augmented by its
     draw(keys[k], h, w) -> uint8 (bs,3,S,S) on the same device: S is the training size."""
-    draws = [draw(key, *hw) for key, hw in zip(keys, sizes)]
+    draws = [draw(key, *size) for key, size in zip(keys, sizes)]
     boxes, flips, colours = zip(*draws)
     side = images.shape[-1]
+    # roi_align's boxes: the image's place in the batch, then x0, y0, x1, y1 in pixels
     rois = [[k, *(v * side for v in box)] for k, box in enumerate(boxes)]
     jittered = [k for k, colour in enumerate(colours) if colour != (1.0, 1.0, 1.0)]
 
@@ -77,9 +84,10 @@ def augment(images: torch.Tensor, sizes: list, keys: list) -> torch.Tensor:
     # aligned: box edges are pixel edges; sampling_ratio -1: ceil(box / side) samples a pixel
     # and axis, averaged, so that a crop is smoothed as it shrinks
     x = roi_align(images.float(), rois, side, sampling_ratio=-1, aligned=True)
-    # Only the jittered half pays for the colour arithmetic.
-    x[jittered] = jitter(x[jittered], factors)
-    x = x.clamp_(0, 255).round_().byte()
+    # Only the jittered half pays for the colour arithmetic and the clamp (a crop of a uint8
+    # image stays within 0-255).
+    x[jittered] = jitter(x[jittered], factors).clamp_(0, 255)
+    x = x.round_().byte()
     # A flip commutes with the per-pixel colour maps, so it is done last, on the uint8 images.
     return torch.where(flips.view(-1, 1, 1, 1), x.flip(-1), x)
 
@@ -105,3 +113,12 @@ def augment_batch(batch: dict, seed: int, epoch: int, device: torch.device) -> N
     keys = [(seed, epoch, index) for index in batch["indices"].tolist()]
     images = batch["images"].to(device, non_blocking=True)
     batch["images"] = augment(images, batch["shapes"], keys)
+
+
+def collate(samples: list[dict]) -> dict:
+    """datasets.collate, then the images augmented on the CPU, each by the draw of its sample's
+    (seed, epoch, index) key: a CPU run's augmentation, made a batch at a time in the workers."""
+    batch = datasets.collate(samples)
+    keys = [sample["key"] for sample in samples]
+    batch["images"] = augment(batch["images"], batch["shapes"], keys)
+    return batch

@@ -298,8 +298,19 @@ def build_loaders(args, hyp: dict, model: Model, data: dict, info) -> tuple:
             f"use at least 2 images per rank, or --imgsz > {args.imgsz}"
         )
     ranks = dict(rank=info.rank, world_size=info.world_size, local_world_size=info.local_world_size)
+    # A CPU run's classifier batches are augmented in the workers, which run at the lowest
+    # priority and so fill the step's idle moments; a GPU augments them itself (train_one_epoch).
+    collate_fn = datasets.collate
+    if model.task == "classify" and info.device.type == "cpu":
+        collate_fn = cls_augment.collate
     loader, _ = build_dataloader(
-        train, batch, workers=args.workers, seed=args.seed, drop_single=one_fails, **ranks
+        train,
+        batch,
+        workers=args.workers,
+        seed=args.seed,
+        drop_single=one_fails,
+        collate_fn=collate_fn,
+        **ranks,
     )
     if loader.drop_last:
         dist.print0(f"train: the last batch of each epoch, of 1 image, is dropped ({ONE_IMAGE})")
@@ -403,8 +414,9 @@ def train_one_epoch(
     start = time.time()
     for i, batch in enumerate(setup.loader):
         iteration = i + batches * epoch
-        # A classifier's crops, flips and colours: drawn per image, made per batch on the device.
-        if de_parallel(model).task == "classify":
+        # A classifier's crops, flips and colours: drawn per image, made per batch on the GPU (a
+        # CPU run's workers have made them).
+        if de_parallel(model).task == "classify" and device.type != "cpu":
             cls_augment.augment_batch(batch, seed=args.seed, epoch=epoch, device=device)
         if detect and iteration <= warmup_iters:
             accumulate = warmup(
