@@ -2,15 +2,13 @@
 ratios to some anchor lie in [1/threshold, threshold]. Below 0.98, k-means and evolution propose
 new anchors."""
 
-from __future__ import annotations
-
 import numpy as np
 
 # The most label boxes AutoAnchor measures and fits, which bounds its time (yolov5 takes them all).
 MAX_BOXES = 10_000
 
 
-def label_wh(labels: list[dict], imgsz: int, rng: np.random.Generator) -> np.ndarray:
+def label_wh(labels, imgsz, rng):
     """(n, 2) the dataset's label box sizes in pixels at training size, each image scaled by
     U(0.9, 1.1) like training's jitter; a random sample of at most MAX_BOXES (bounds the time)."""
     sizes = [np.zeros((0, 2))]
@@ -48,7 +46,7 @@ def fitness(anchors, wh, threshold):
     return float((best * (best > 1 / threshold)).mean())
 
 
-def kmeans(points: np.ndarray, k: int, rng: np.random.Generator, iters: int = 30) -> np.ndarray:
+def kmeans(points, k, rng, iters=30):
     """k centres of the rows of points (m, d): k of its rows at random, then `iters` Lloyd steps."""
     # scipy's kmeans, which yolov5 calls, starts from k random rows too.
     centres = points[rng.choice(len(points), k, replace=False)]
@@ -89,9 +87,7 @@ def fit_anchors(wh, num_anchors=9, threshold=4.0, gens=1000, seed=0):
     return anchors[np.argsort(anchors.prod(1))].astype(np.float32)
 
 
-def check_anchors(
-    labels, anchors: np.ndarray, threshold=4.0, imgsz=640, seed=0
-) -> np.ndarray | None:
+def check_anchors(labels, anchors, threshold=4.0, imgsz=640, seed=0):
     """Print the BPR of `anchors` (n, 2) on the labels; below 0.98 return better ones, else None."""
     wh = label_wh(labels, imgsz, np.random.default_rng(seed))
     if not len(wh):

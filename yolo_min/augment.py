@@ -164,7 +164,7 @@ def resample(polys):
 def place_labels(
     pieces,
     labels,
-    M: np.ndarray,
+    M,
     scale,
     out_wh,
     shifts,

@@ -1,8 +1,6 @@
 """Run folders and training checkpoints: what a run saves, how it is restored, the atomic write,
 and the checks a checkpoint passes before --resume uses it."""
 
-from __future__ import annotations
-
 import contextlib
 import os
 import random
@@ -31,7 +29,7 @@ class SaveError(RuntimeError):
     """A checkpoint could not be written (a full disk, ...); the previous one is intact."""
 
 
-def next_run_dir(project: str | Path, name: str, exist_ok: bool) -> Path:
+def next_run_dir(project, name, exist_ok):
     """project/name, or the first free project/name2, name3, ... (project/name with exist_ok)."""
     path = Path(project) / name
     n = 2
@@ -41,7 +39,7 @@ def next_run_dir(project: str | Path, name: str, exist_ok: bool) -> Path:
     return path
 
 
-def find_run_dir(project: str | Path, run_id: str | None) -> Path | None:
+def find_run_dir(project, run_id):
     """The run folder that the torchrun run `run_id` made under project before a restart."""
     if not run_id:
         return None
@@ -51,7 +49,7 @@ def find_run_dir(project: str | Path, run_id: str | None) -> Path | None:
     return None
 
 
-def _read_small(path: Path) -> str | None:
+def _read_small(path):
     """A small marker file's text (a run id, a lock); None if it is not such a file."""
     try:
         return read_text(path, 4096)
@@ -59,7 +57,7 @@ def _read_small(path: Path) -> str | None:
         return None
 
 
-def make_run_dir(args, hyp: dict, run_id: str | None, need_bytes: int) -> Path:
+def make_run_dir(args, hyp, run_id, need_bytes):
     """Make the run folder (a resumed or restarted run's own) with weights/, args.yaml and hyp.yaml;
     fail early if it is unwritable or its disk has less than need_bytes free."""
     own = find_run_dir(args.project, run_id)
@@ -86,14 +84,14 @@ def make_run_dir(args, hyp: dict, run_id: str | None, need_bytes: int) -> Path:
     return path
 
 
-def restore_results(ckpt: dict, run: Path):
+def restore_results(ckpt, run):
     """results.csv as the checkpoint (checked by `load`: a str if there) saved it (the rows of the
     epochs it holds), if it holds one: a crash between the checkpoint and its row loses no row."""
     if "results_csv" in ckpt:
         (run / "results.csv").write_text(ckpt["results_csv"])
 
 
-def find_resume(args, run_id: str | None) -> tuple[str, dict] | None:
+def find_resume(args, run_id):
     """(path, checkpoint) to continue from: --resume (a run's last.pt, or the newest run's under
     --project), or after a torchrun restart this run's own last.pt. None: a new run. The run
     folder is locked (`lock_run`) for this process."""
@@ -115,7 +113,7 @@ def find_resume(args, run_id: str | None) -> tuple[str, dict] | None:
     return str(path), ckpt
 
 
-def is_run_dir(path: Path, keys: set[str]) -> bool:
+def is_run_dir(path, keys):
     """Whether path is a run folder as train.py makes them: weights/ beside an args.yaml of
     train.py's options (keys)."""
     try:
@@ -125,7 +123,7 @@ def is_run_dir(path: Path, keys: set[str]) -> bool:
     return isinstance(stored, dict) and set(stored) == keys and (path / "weights").is_dir()
 
 
-def run_folder(last: Path, keys: set[str]) -> Path:
+def run_folder(last, keys):
     """The run folder of a <run>/weights/last.pt; ValueError unless last is one: --resume writes
     into the folder (args.yaml, results.csv, the checkpoints) and no other."""
     run = last.parent.parent
@@ -138,7 +136,7 @@ def run_folder(last: Path, keys: set[str]) -> Path:
     return run
 
 
-def newest_run(project: str | Path, keys: set[str]) -> Path:
+def newest_run(project, keys):
     """The run under project that was started, resumed or saved last (the newest of its args.yaml
     and weights/last.pt); ValueError if there is none, or if it has no last.pt: an older run is
     never continued in its place."""
@@ -154,14 +152,14 @@ def newest_run(project: str | Path, keys: set[str]) -> Path:
     return newest
 
 
-def _last_active(run: Path) -> float:
+def _last_active(run):
     """When a run folder was last started, resumed (args.yaml) or saved (weights/last.pt)."""
     files = [run / "args.yaml", run / "weights" / "last.pt"]
     return max(f.stat().st_mtime for f in files if f.is_file())
 
 
 # ---------------------------------------------------------------- run folder locks
-def lock_run(run: Path, run_id: str | None):
+def lock_run(run, run_id):
     """Take run's lock file for this process (O_EXCL: one training writes a run folder at a time);
     ValueError naming the holder while it lives. A holder that is gone (its pid no longer alive on
     this host, or this torchrun run before a restart) is replaced; the lock is this process's
@@ -187,7 +185,7 @@ def lock_run(run: Path, run_id: str | None):
     raise ValueError(f"{run} is being locked by another training at the same time ({lock})")
 
 
-def _remove_if_stale(lock: Path, run_id: str | None):
+def _remove_if_stale(lock, run_id):
     """Remove a lock file whose holder is gone; ValueError naming a live one."""
     text = _read_small(lock)
     # removed meanwhile: take it
@@ -212,7 +210,7 @@ def _remove_if_stale(lock: Path, run_id: str | None):
         lock.unlink(missing_ok=True)
 
 
-def _gone(pid: int) -> bool:
+def _gone(pid):
     """Whether no process of this host has the id pid."""
     try:
         os.kill(pid, 0)
@@ -235,7 +233,7 @@ def release_locks():
 
 
 # ---------------------------------------------------------------- what a run saves
-def rng_state() -> dict:
+def rng_state():
     """This process's random states (python, numpy, torch, CUDA) as plain values."""
     name, keys, *rest = np.random.get_state()
     cuda = []
@@ -249,7 +247,7 @@ def rng_state() -> dict:
     }
 
 
-def set_rng_state(state: dict):
+def set_rng_state(state):
     """Restore what `rng_state` returned."""
     # numpy's key: any sequence of uint32
     np.random.set_state(tuple(state["numpy"]))
@@ -259,7 +257,7 @@ def set_rng_state(state: dict):
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def model_state(model) -> dict:
+def model_state(model):
     """What val.py, predict.py and YOLO(path) load: the model's cfg, names, task and weights (on
     the CPU)."""
     return dict(
@@ -270,7 +268,7 @@ def model_state(model) -> dict:
     )
 
 
-def training_state(model, ema, optimizer, scaler, epoch, best, args, hyp, rngs) -> dict:
+def training_state(model, ema, optimizer, scaler, epoch, best, args, hyp, rngs):
     """All a run needs to continue; epoch: the last finished (0-based), best: (fitness, epoch)."""
     # tensors on the CPU: a file written on a GPU loads anywhere with torch.load
     return model_state(model) | dict(
@@ -287,7 +285,7 @@ def training_state(model, ema, optimizer, scaler, epoch, best, args, hyp, rngs) 
     )
 
 
-def cpu_state(state: dict) -> dict:
+def cpu_state(state):
     """A (nested) state_dict with its tensors on the CPU."""
     cpu = {}
     for key, value in state.items():
@@ -299,7 +297,7 @@ def cpu_state(state: dict) -> dict:
     return cpu
 
 
-def restore(ckpt: dict, model, ema, optimizer, scaler, rank: int, world_size: int) -> bool:
+def restore(ckpt, model, ema, optimizer, scaler, rank, world_size):
     """Load what `training_state` saved into fresh training objects and this rank's random states:
     False if the saved world size differs (not restored), CheckpointError if it does not fit."""
     with one_line_errors("cannot restore its training state: "):
@@ -326,12 +324,12 @@ def restore(ckpt: dict, model, ema, optimizer, scaler, rank: int, world_size: in
     return same_size
 
 
-def _setting_types(optimizer) -> list[dict]:
+def _setting_types(optimizer):
     """The types of each of the optimizer's param groups' settings."""
     return [{k: type(v) for k, v in group.items()} for group in optimizer.param_groups]
 
 
-def save(state: dict, path: str | Path):
+def save(state, path):
     """torch.save atomically: a crash, kill or full disk (SaveError) leaves the old file whole."""
     # written, fsynced, then renamed over path
     tmp = Path(f"{path}.tmp")
@@ -377,7 +375,7 @@ RESUME_TYPES = dict.fromkeys("model_cfg model ema optimizer scaler args hyp rng"
 RESUME_TYPES |= dict(epoch=int, best_epoch=int, ema_updates=int, best_fitness=(int, float))
 
 
-def load(path: str | Path) -> dict:
+def load(path):
     """A yolo_min training checkpoint for --resume, checked as `training_state` saves it."""
     ckpt = read_checked(path)
     with one_line_errors(f"{path}: "):

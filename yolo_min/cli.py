@@ -1,8 +1,6 @@
 """The options shared by the command lines and the Python face: keyword arguments checked against
 a command's argparse parser, and a command's main run with one-line errors (exit 2)."""
 
-from __future__ import annotations
-
 import argparse
 import difflib
 import gc
@@ -15,7 +13,7 @@ class ConfigError(ValueError):
     """A bad argument or input file, found before any work: one actionable line, exit 2."""
 
 
-def parse_kwargs(parser, kwargs: dict, fixed: dict | None = None, only=None) -> argparse.Namespace:
+def parse_kwargs(parser, kwargs, fixed=None, only=None):
     """The parser's defaults updated by kwargs, each checked as the command line would check it:
     TypeError for an unknown option, a missing one or a value of the wrong type, ValueError for a
     value outside the choices. fixed: values the caller sets (not options); only: the options
@@ -40,7 +38,7 @@ def parse_kwargs(parser, kwargs: dict, fixed: dict | None = None, only=None) -> 
     return argparse.Namespace(**values)
 
 
-def check_value(action: argparse.Action, name: str, value):
+def check_value(action, name, value):
     """value as the command line would have parsed it for action, else TypeError or ValueError."""
     kind = action.type or str
     if action.nargs == 0:
@@ -75,7 +73,7 @@ def check_value(action: argparse.Action, name: str, value):
     return value
 
 
-def is_kind(value, kind: type) -> bool:
+def is_kind(value, kind):
     """Whether value is what argparse makes with kind: int (not bool), float (or int), str (or
     a path)."""
     accepted = {float: (int, float), str: (str, os.PathLike)}.get(kind, kind)

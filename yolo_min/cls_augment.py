@@ -6,8 +6,6 @@ torchvision defines it), a horizontal flip (p 0.5) and, for half the images, col
 (brightness, contrast and saturation factors each from U(0.6, 1.4), no hue). One roi_align call
 then crops and resizes the whole batch; a select flips it."""
 
-from __future__ import annotations
-
 import math
 import random
 
@@ -26,7 +24,7 @@ JITTER = 0.4
 JITTER_P = 0.5
 
 
-def crop_box(rng: random.Random, height: int, width: int) -> tuple:
+def crop_box(rng, height, width):
     """RandomResizedCrop's (top, left, h, w) in pixels of an image (height, width): up to 10 tries
     at a random area and aspect ratio, else the centre crop at the aspect ratio nearest its own."""
     for _ in range(10):
@@ -46,7 +44,7 @@ def crop_box(rng: random.Random, height: int, width: int) -> tuple:
     return top, left, h, w
 
 
-def draw(key: tuple, height: int, width: int) -> tuple:
+def draw(key, height, width):
     """(box (x0, y0, x1, y1) as fractions of the width and height, flip, (brightness, contrast,
     saturation) factors; 1.0: unchanged) of the image (height, width) px whose (seed, epoch,
     index) is key."""
@@ -62,7 +60,7 @@ def draw(key: tuple, height: int, width: int) -> tuple:
     return box, flip, colour
 
 
-def augment(images: torch.Tensor, sizes: list, keys: list) -> torch.Tensor:
+def augment(images, sizes, keys):
     """uint8 (bs,3,S,S), image k stretched from its original sizes[k] (h, w) px, augmented by its
     draw(keys[k], h, w) -> uint8 (bs,3,S,S) on the same device: S is the training size."""
     draws = [draw(key, *size) for key, size in zip(keys, sizes)]
@@ -92,7 +90,7 @@ def augment(images: torch.Tensor, sizes: list, keys: list) -> torch.Tensor:
     return torch.where(flips.view(-1, 1, 1, 1), x.flip(-1), x)
 
 
-def jitter(x: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
+def jitter(x, factors):
     """float (n,3,S,S) 0-255 with each image's (brightness, contrast, saturation) factors (n,3)
     applied -> float (n,3,S,S), not clamped."""
     brightness, contrast, saturation = factors.T[..., None, None, None]
@@ -107,7 +105,7 @@ def jitter(x: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
     return brightness * x
 
 
-def augment_batch(batch: dict, seed: int, epoch: int, device: torch.device) -> None:
+def augment_batch(batch, seed, epoch, device):
     """Replace batch["images"] (uint8, on the CPU) by their augmented copies on device, each
     image k by the draw of its key (seed, epoch, batch["indices"][k])."""
     keys = [(seed, epoch, index) for index in batch["indices"].tolist()]
@@ -115,7 +113,7 @@ def augment_batch(batch: dict, seed: int, epoch: int, device: torch.device) -> N
     batch["images"] = augment(images, batch["shapes"], keys)
 
 
-def collate(samples: list[dict]) -> dict:
+def collate(samples):
     """datasets.collate, then the images augmented on the CPU, each by the draw of its sample's
     (seed, epoch, index) key: a CPU run's augmentation, made a batch at a time in the workers."""
     batch = datasets.collate(samples)

@@ -1,8 +1,6 @@
 """torchrun plumbing, the only module of yolo_min that knows ranks. Without a process group every
 helper is the identity or a no-op, so the same code runs in one process."""
 
-from __future__ import annotations
-
 import contextlib
 import datetime
 import os
@@ -24,7 +22,7 @@ class DistInfo(NamedTuple):
     device: torch.device
 
 
-def select_device(device: str) -> torch.device:
+def select_device(device):
     """'' -> cuda:0 if available else cpu; 'cpu'; 'cuda'; '0' or 'cuda:1'."""
     given = str(device).strip()
     name = given.lower()
@@ -42,7 +40,7 @@ def select_device(device: str) -> torch.device:
         ) from None
 
 
-def listed_gpus(device: str, local_rank: int, local_world_size: int, world_size: int) -> str:
+def listed_gpus(device, local_rank, local_world_size, world_size):
     """--device '0,1': under torchrun, the GPU of this local rank ('1' for local rank 1); the list's
     length must be the node's process count. One process: ValueError with the command to use."""
     ids = [gpu.strip() for gpu in str(device).split(",")]
@@ -64,12 +62,12 @@ def listed_gpus(device: str, local_rank: int, local_world_size: int, world_size:
     return ids[local_rank]
 
 
-def _environ_int(name: str, default: int = 0) -> int:
+def _environ_int(name, default=0):
     """The integer in the environment variable name (torchrun's), default when it is unset."""
     return int(os.environ.get(name, default))
 
 
-def setup(device: str) -> DistInfo:
+def setup(device):
     """This process's DistInfo from torchrun's environment (none: one process) and process group."""
     rank = env_rank()
     local_rank = _environ_int("LOCAL_RANK")
@@ -112,7 +110,7 @@ def setup(device: str) -> DistInfo:
     return DistInfo(rank, world_size, local_size, device=chosen)
 
 
-def torchrun_id() -> str | None:
+def torchrun_id():
     """Under torchrun, an id of this run that survives its restarts (None without torchrun)."""
     run_id = os.environ.get("TORCHELASTIC_RUN_ID")
     # "none": a static rendezvous, whose rank 0's launcher lives through the restarts.
@@ -126,11 +124,11 @@ def cleanup():
         dist.destroy_process_group()
 
 
-def _active() -> bool:
+def _active():
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def is_main() -> bool:
+def is_main():
     return not _active() or dist.get_rank() == 0
 
 
@@ -139,7 +137,7 @@ def barrier():
         dist.barrier()
 
 
-def all_gather_object(obj) -> list:
+def all_gather_object(obj):
     """Every rank's `obj`, in rank order."""
     if not _active():
         return [obj]
@@ -155,7 +153,7 @@ def broadcast_tensors(tensors):
             dist.broadcast(tensor, 0)
 
 
-def reduce_mean(tensor: torch.Tensor) -> torch.Tensor:
+def reduce_mean(tensor):
     """The mean of a tensor over the ranks (a copy)."""
     mean = tensor.detach().clone()
     if _active():
@@ -195,7 +193,7 @@ def main_first():
             barrier()
 
 
-def env_rank() -> int:
+def env_rank():
     """This process's rank as torchrun set it (0 without torchrun), with or without a group."""
     return _environ_int("RANK")
 

@@ -3,12 +3,9 @@ were hostile: regular files only (a FIFO would block, /dev/zero never ends), at 
 UTF-8, and YAML without aliases (a 1 KB alias bomb expands to gigabytes when walked). Every
 refusal is one FileError line naming the file."""
 
-from __future__ import annotations
-
 import os
 import re
 import stat
-from pathlib import Path
 
 import yaml
 
@@ -29,7 +26,7 @@ class FileError(ValueError):
     """A file that cannot be read as the text it should be: one line naming the file."""
 
 
-def read_bytes(path: str | Path, limit: int, what=""):
+def read_bytes(path, limit, what=""):
     """The bytes of a regular file of at most limit bytes; else FileError naming `what path`."""
     name = f"{what} {path}".strip()
     try:
@@ -52,7 +49,7 @@ def read_bytes(path: str | Path, limit: int, what=""):
     return data
 
 
-def read_text(path: str | Path, limit: int, what="", encoding="utf-8"):
+def read_text(path, limit, what="", encoding="utf-8"):
     """A regular file of at most limit bytes as UTF-8 text; else FileError naming the file."""
     data = read_bytes(path, limit, what)
     try:
@@ -82,7 +79,7 @@ class _Loader(yaml.SafeLoader):
 _Loader.add_implicit_resolver("tag:yaml.org,2002:float", EXPONENT_FLOAT, list("-+.0123456789"))
 
 
-def read_yaml(path: str | Path, what=""):
+def read_yaml(path, what=""):
     """The object of a YAML file read by `read_text` (at most MAX_YAML_BYTES) without aliases;
     FileError naming the file if it cannot be read or is not valid YAML."""
     text = read_text(path, MAX_YAML_BYTES, what, encoding="utf-8-sig")
@@ -101,7 +98,7 @@ def first_line(text):
     return (str(text).splitlines() or [""])[0]
 
 
-def replace_file(path: Path, write):
+def replace_file(path, write):
     """write(a temporary file beside path), then rename it over path: a file or link already at
     path is replaced, never written through, and no half-written file is left."""
     # short, whatever path's length; one file at a time in a process

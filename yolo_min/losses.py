@@ -3,8 +3,6 @@ BCE; equal to yolov5's ComputeLoss, fixtures loss_*.pt) and ClassifyLoss, a cros
 
 nc, nm and nl are the head's: classes, mask coefficients per anchor, levels."""
 
-from __future__ import annotations
-
 import math
 from typing import NamedTuple
 
@@ -173,7 +171,7 @@ def mask_loss_fast(levels, protos, masks):
     batch_size, num_masks, mask_h, mask_w = protos.shape
     pixels_per_map = mask_h * mask_w
     # Every level's positives, grouped by image (in order within one).
-    joined = MaskPositives(*map(torch.cat, zip(*levels)))
+    joined = MaskPositives._make(torch.cat(field) for field in zip(*levels))
     order = torch.argsort(joined.image, stable=True)
     group, image, coefs, mask_value, box = (field[order] for field in joined)
     # The box in mask pixels. Column c is in it iff x1 <= c < x2, that is iff
@@ -234,7 +232,7 @@ class YOLOLoss:
     items: detached per-image means; loss = sum(items) * bs * world_size. The mask term is
     `self.mask_loss`: mask_loss_fast, equal to the plain mask_loss and faster."""
 
-    def __init__(self, model: nn.Module, hyp: dict, world_size: int = 1):
+    def __init__(self, model, hyp, world_size=1):
         # The head's anchors are read at each call: AutoAnchor may change them.
         self.head = de_parallel(model).head
         self.nl = self.head.nl
@@ -269,7 +267,7 @@ class YOLOLoss:
             loss = loss * alpha * (1.0 - prob_true) ** gamma
         return loss.mean()
 
-    def _assign(self, level, targets, ny, nx) -> Assignment:
+    def _assign(self, level, targets, ny, nx):
         """The positives of `level`, whose maps are ny x nx cells; targets (N, 6) as __call__'s."""
         # The level's anchors (na, 2) are in grid units, as are the boxes below.
         anchors = self.head.anchors[level].to(targets.device)

@@ -1,8 +1,6 @@
 """Box and mask AP exactly as COCOeval (areaRng "all", maxDets >= detections, no crowds; score ties
 by dataset index, then order), and top-k accuracy, from small per-image records keyed by index."""
 
-from __future__ import annotations
-
 import numpy as np
 
 # float64, bit-equal to COCOeval's iouThrs.
@@ -63,7 +61,7 @@ def image_record(index, conf, pred_cls, gt_cls, ious):
     }
 
 
-def merge_records(parts: list[list[dict]]) -> list[dict]:
+def merge_records(parts):
     """Every rank's records as one list, de-duplicated by dataset index and sorted by it."""
     # Read from the last rank's to the first's, so that the first rank's record wins.
     merged = {record["index"]: record for part in reversed(parts) for record in part}
@@ -121,14 +119,14 @@ def _average_precision(tp_cumsum, n_positives):
     ]
 
 
-def metric_names(kinds: tuple[str, ...]) -> list[str]:
+def metric_names(kinds):
     """Names of the metrics summarize gives kinds ("box", "mask"), summarize_classes ("class")."""
     if kinds == ("class",):
         return ["top1_acc", "top5_acc", "val_loss"]
     return [f"{name}({SUFFIX[kind]})" for kind in kinds for name in AP_METRICS]
 
 
-def summarize(records: list[dict], kinds: tuple[str, ...] = ("box",)):
+def summarize(records, kinds=("box",)):
     """{"metrics": {"P(B)", "R(B)", "mAP50(B)", "mAP50-95(B)" (and (M) for masks)}, "fitness",
     "images", "instances", "per_class": [{"class", "images", "instances", metrics...}]}."""
     conf = _joined(records, "conf", np.zeros(0))

@@ -4,8 +4,6 @@ equal yolov5's: its state_dicts load with strict=True), and `ModelEMA`, the weig
 The heads keep yolov5's attribute names, which the rest of yolo_min reads: nc classes, nm mask
 coefficients, nl levels, na anchors per level, no outputs per anchor (5 + nc + nm)."""
 
-from __future__ import annotations
-
 import math
 import reprlib
 from collections import OrderedDict
@@ -209,7 +207,7 @@ MODULES = {
 TASKS = {Detect: "detect", Segment: "segment", Classify: "classify"}
 
 
-def amp_dtype(device: torch.device, mode: str) -> torch.dtype | None:
+def amp_dtype(device, mode):
     """The autocast dtype of --amp {auto,on,off} on device, None: float32."""
     # auto: float16 on CUDA, bfloat16 on a CPU with native bf16 (AVX512-BF16, AMX, Arm BF16);
     # on: also where bf16 is emulated; off, and other devices: float32.
@@ -229,7 +227,7 @@ def make_divisible(x, divisor=8):
     return math.ceil(x / divisor) * divisor
 
 
-def load_cfg(cfg: str | Path | dict) -> tuple[dict, str]:
+def load_cfg(cfg):
     """A model config as a dict, and its name for error messages. Bare names resolve to cfg/."""
     if isinstance(cfg, dict):
         return deepcopy(cfg), "model cfg"
@@ -334,7 +332,7 @@ def _layer_args(module_class, args, in_channels, width_multiple):
     return args, out_channels
 
 
-def parse_model(cfg: dict, where: str) -> tuple[nn.Sequential, list[int]]:
+def parse_model(cfg, where):
     """A checked yolov5 cfg dict's layers, and the indices of layers whose outputs are reused."""
     _check_keys(cfg, where)
     depth_multiple = cfg["depth_multiple"]
@@ -385,7 +383,7 @@ class Model(nn.Module):
     """A YOLOv5 network from a cfg (see load_cfg). Input: float images (bs, 3, H, W), H and W
     multiples of 32, in [0, 1] (classify: ImageNet mean/std normalised); output: the head's."""
 
-    def __init__(self, cfg: str | Path | dict = "yolov5n.yaml", nc: int | None = None):
+    def __init__(self, cfg="yolov5n.yaml", nc=None):
         super().__init__()
         self.yaml, where = load_cfg(cfg)
         if nc is not None:
@@ -440,7 +438,7 @@ class Model(nn.Module):
             outputs.append(x if layer.index in self.reused else None)
         return x
 
-    def fuse(self) -> Model:
+    def fuse(self):
         """Fold every BatchNorm into its conv (eval mode, for inference); outputs equal to ~1e-5."""
         for module in self.modules():
             if isinstance(module, Conv) and isinstance(module.bn, nn.BatchNorm2d):

@@ -1,8 +1,6 @@
 """Box and mask helpers (yolov5's NMS, COCO-exact rasterisation and RLE), coordinates in pixels;
 `ratio_pad` is a letterbox's ((ratio_h, ratio_w), (pad_w, pad_h)), `*_hw` are (height, width)."""
 
-from __future__ import annotations
-
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -41,7 +39,7 @@ box_iou = torchvision.ops.box_iou
 
 def non_max_suppression(
     pred, conf_thres, iou_thres, multi_label=False, max_det=300, nm=0, classes=None, agnostic=False
-) -> list[Tensor]:
+):
     """yolov5's NMS: pred (bs, N, 5+nc+nm) [cx, cy, w, h, obj, class probs, coefs] -> per image
     (n, 6+nm) [x1, y1, x2, y2, conf = obj * prob, cls, coefs] by descending conf. multi_label: all
     (box, class) pairs over conf_thres; classes: only these; agnostic: one NMS for all classes."""
@@ -117,7 +115,7 @@ def scale_masks(masks, ratio_pad, orig_hw):
     return F.interpolate(masks[:, None].byte(), size=orig_hw, mode="nearest-exact")[:, 0].bool()
 
 
-def polygons_to_masks(polygons, hw) -> Tensor:
+def polygons_to_masks(polygons, hw):
     """Polygons (each (k, 2) [x, y] pixels) -> (m, h, w) bool masks, exactly as pycocotools."""
     # pycocotools' way: edges walked in 1/5-pixel steps toggle the pixels below them per column
     # (PIL's polygon fill differs on ~1% of the pixels)
@@ -214,7 +212,7 @@ def as_bool_array(mask):
     return np.asarray(mask, dtype=bool)
 
 
-def mask_to_polygon(mask: Tensor | np.ndarray) -> np.ndarray:
+def mask_to_polygon(mask):
     """A bool (h, w) mask's outer border with the most corners -> those (k, 2) float32 [x, y], as
     yolov5 uses OpenCV's findContours (RETR_EXTERNAL, CHAIN_APPROX_SIMPLE); (0, 2) if empty."""
     m = np.pad(as_bool_array(mask), 1)
@@ -237,7 +235,7 @@ def mask_to_polygon(mask: Tensor | np.ndarray) -> np.ndarray:
     return best
 
 
-def mask_iou(a: Tensor, b: Tensor) -> Tensor:
+def mask_iou(a, b):
     """IoU of bool masks a (n, h, w) and b (m, h, w) -> (n, m) float64."""
     a = a.flatten(1).float()
     b = b.flatten(1).float()
@@ -250,7 +248,7 @@ def mask_iou(a: Tensor, b: Tensor) -> Tensor:
     return inter / union.clamp(min=1)
 
 
-def rle_encode(mask: Tensor | np.ndarray) -> dict:
+def rle_encode(mask):
     """COCO's compressed RLE of one (h, w) bool mask: {"size": [h, w], "counts": str}."""
     flat = as_bool_array(mask).T.ravel()
     # run lengths from the runs' starts; the first run is one of zeros (maybe empty)

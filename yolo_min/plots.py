@@ -1,7 +1,5 @@
 """Pictures: JPEG grids of batches with boxes, class names and masks (torchvision drawing)."""
 
-from __future__ import annotations
-
 import math
 import threading
 from pathlib import Path
@@ -114,7 +112,7 @@ def draw_detections(image, boxes, cls, conf=None, names=None, masks=None, width=
     return image
 
 
-def draw_labels(image: torch.Tensor, boxes, text, colors):
+def draw_labels(image, boxes, text, colors):
     """Each box's text, white on a tab of its colour above the box's top-left corner (inside the
     box where the image ends), in a font that scales with the image: uint8 (3,H,W) -> the same."""
     picture = to_pil_image(image)

@@ -10,9 +10,6 @@ name as one safe folder name>/ (crop_folders), repeated image names kept apart (
 a run folder that holds a source file is refused (check_run_folder), and each output replaces
 the file at its path rather than writing through it (replace_file)."""
 
-from __future__ import annotations
-
-import argparse
 import glob
 import json
 import os
@@ -70,7 +67,7 @@ class Seen(NamedTuple):
     entry: dict
 
 
-def find_images(source: str):
+def find_images(source):
     """The images of a file, folder (sorted, not recursive), glob or .txt list of paths (relative
     ones: to the list's folder, as training's lists), each real file once (its first mention); a
     `**` walks each real folder once, symlinks followed (a folder linked into itself ends)."""
@@ -94,7 +91,7 @@ def find_images(source: str):
     return list(unique.values())
 
 
-def read_list(path: Path):
+def read_list(path):
     """A .txt list's paths, one a line (UTF-8), relative ones joined to the list's folder."""
     try:
         text = path.read_text(encoding="utf-8")
@@ -164,7 +161,7 @@ def source_images(source):
     raise TypeError(f"predict(source): {type(source).__name__} is not {why}")
 
 
-def letterbox(image: torch.Tensor, imgsz, stride):
+def letterbox(image, imgsz, stride):
     """uint8 (h, w, 3) -> (uint8 (3, H, W), ratio_pad): long side to imgsz, centred on 114 grey."""
     h0, w0 = image.shape[:2]
     r = imgsz / max(h0, w0)
@@ -322,7 +319,7 @@ def stream(model, images, imgsz=640, batch_size=1, workers=0, polygons=False, am
         model.train(was_training)
 
 
-def stream_args(model, images, args: argparse.Namespace, amp):
+def stream_args(model, images, args, amp):
     """stream with predict.py's options (get_args_parser's; imgsz a multiple of the stride) and
     amp, the autocast dtype (predict_amp's)."""
     return stream(
@@ -479,7 +476,7 @@ def output_stems(files):
     return stems
 
 
-def check_run_folder(save_dir: Path, files, source):
+def check_run_folder(save_dir, files, source):
     """ConfigError if the run folder holds a source image (or the .txt list), by the path given
     or the file it links to: predicting into it would replace the user's images."""
     run = Path(os.path.realpath(save_dir))
@@ -494,7 +491,7 @@ def check_run_folder(save_dir: Path, files, source):
             raise ConfigError(f"--project/--name: {why}; predict into another folder")
 
 
-def save(result, save_dir: Path, args, stem, folders):
+def save(result, save_dir, args, stem, folders):
     """An image's outputs under stem (output_stems): its drawing <stem>.<ext>, labels/<stem>.txt
     (if it has detections) and crops/<folders[class]>/<stem>_<k>.jpg."""
     # find_images' extension: what follows the last dot
@@ -523,7 +520,7 @@ def save(result, save_dir: Path, args, stem, folders):
         replace_file(folder / f"{stem}_{k}.jpg", crop.save)
 
 
-def get_args_parser() -> argparse.ArgumentParser:
+def get_args_parser():
     parser = base_parser("Predict boxes (and masks) on images", PREDICT_NMS, "runs/predict")
     parser.add_argument(
         "--source",
@@ -558,7 +555,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def predict_amp(device: torch.device, amp: str) -> torch.dtype | None:
+def predict_amp(device, amp):
     """The autocast dtype of prediction (None: fp32): amp_dtype's, but fp32 for `auto` on a CPU."""
     # bf16 moved ~5% of detections across the thresholds (README)
     if device.type == "cpu" and amp == "auto":
@@ -566,7 +563,7 @@ def predict_amp(device: torch.device, amp: str) -> torch.dtype | None:
     return amp_dtype(device, amp)
 
 
-def main(args: argparse.Namespace):
+def main(args):
     """Predict --source, sharded -> {"save_dir", "images", "skipped", "detections", "speed"}. The
     options, the source and the run folder are checked before the model is loaded."""
     # before the process group and the model: a bad number costs nothing
@@ -623,7 +620,7 @@ def main(args: argparse.Namespace):
         dist.cleanup()
 
 
-def predict_share(model, args, info, files, stems, save_dir: Path, amp):
+def predict_share(model, args, info, files, stems, save_dir, amp):
     """This rank's files predicted and saved, each one's warnings printed -> those seen; an image
     that failed (its result's error, or saving) is named and skipped."""
     folders = crop_folders(model.names)

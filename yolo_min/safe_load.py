@@ -2,8 +2,6 @@
 without running pickled code (a restricted unpickler), with checks on the zip, the pickles and the
 object tree, into a `Model`."""
 
-from __future__ import annotations
-
 import contextlib
 import io
 import pickle
@@ -29,7 +27,7 @@ MAX_TUPLES = 10_000
 CONTAINERS = (torch.Tensor, dict, list, tuple, set)
 
 
-def load_model(path: str | Path, device: str | torch.device = "cpu") -> Model:
+def load_model(path, device="cpu"):
     """A float32 eval-mode Model from a yolo_min or yolov5 checkpoint (EMA preferred)."""
     checkpoint = read_checked(path)
     with one_line_errors(f"{path}: "):
@@ -68,7 +66,7 @@ def _class_names(names, model):
     return names
 
 
-def fitting_model(cfg, weights: dict) -> Model:
+def fitting_model(cfg, weights):
     """cfg's Model on the meta device (allocating nothing) if its tensors fit weights' shapes."""
     # A path is refused: a file may not make us open another.
     if not isinstance(cfg, dict):
@@ -106,7 +104,7 @@ def one_line_errors(prefix):
         raise CheckpointError(prefix + why[:200]) from None
 
 
-def read_checked(path: str | Path):
+def read_checked(path):
     """The file's object, read once, if it passes the checks; else CheckpointError (one line)."""
     try:
         data = Path(path).read_bytes()
@@ -194,7 +192,7 @@ MEMO_PUTS = ("PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE")
 COPY_PUSHES = ("GET", "BINGET", "LONG_BINGET", "DUP")
 
 
-def check_tuples(pkl: bytes):
+def check_tuples(pkl):
     """Refuse a pickle building a tuple of over MAX_TUPLES tuples, or 1000 times that in all."""
     # Hashing such dict keys would hang or crash; shared tuples are counted each time. This
     # follows the opcodes' stack effects: each stack value is the number of tuples an object holds.
@@ -250,7 +248,7 @@ class _Pickle:
     """The pickle_module torch.load takes (for zip files it uses only its Unpickler)."""
 
     class Unpickler(pickle.Unpickler):
-        def find_class(self, module: str, name: str):
+        def find_class(self, module, name):
             # Pickle protocol 2's name of the builtins.
             if module == "__builtin__":
                 module = "builtins"
@@ -261,7 +259,7 @@ class _Pickle:
             raise CheckpointError(f"refusing '{module}.{name}': not a yolov5 or tensor type")
 
 
-def _record_state_dict(root: _Record):
+def _record_state_dict(root):
     """Parameters and persistent buffers of a pickled module tree, with yolov5's key names."""
     state = {}
     # Each module is visited once: yolov5's share a SiLU.

@@ -131,7 +131,7 @@ def get_args_parser():
 
 
 # ---------------------------------------------------------------- builders
-def load_hyp(changes: str | dict, task: str = "detect", where: str = "--hyp") -> dict:
+def load_hyp(changes, task="detect", where="--hyp"):
     """The task's recipe (HYP_FILES) with some values changed: a yaml file ('' none) or a dict.
     ConfigError naming `where` and the key for an unknown key or a value outside its range."""
     recipe = read_yaml(CFG_DIR / HYP_FILES.get(task, "hyp.scratch-low.yaml"))
@@ -160,7 +160,7 @@ def load_hyp(changes: str | dict, task: str = "detect", where: str = "--hyp") ->
     return recipe | {k: float(v) for k, v in changes.items()}
 
 
-def in_range(value: float, bounds: str) -> bool:
+def in_range(value, bounds):
     """Whether value lies in an interval written "[low, high)" (brackets include, parentheses
     exclude a bound)."""
     low, high = (float(b) for b in bounds[1:-1].split(","))
@@ -169,7 +169,7 @@ def in_range(value: float, bounds: str) -> bool:
     return above and below
 
 
-def check_args(args, task: str, world_size: int):
+def check_args(args, task, world_size):
     """ConfigError naming the option unless the arguments (given or resumed) are usable; fills in
     the task's defaults and rounds --imgsz up to a multiple of 32."""
     defaults = TASK_DEFAULTS.get(task, DEFAULTS)
@@ -185,7 +185,7 @@ def check_args(args, task: str, world_size: int):
     args.imgsz = validator.round_imgsz(args.imgsz, 32)
 
 
-def check_numbers(args, world_size: int):
+def check_numbers(args, world_size):
     """ConfigError naming the first numeric option out of its range (None: the task's default,
     filled in later)."""
     for name, least in LEAST.items():
@@ -204,7 +204,7 @@ def check_numbers(args, world_size: int):
         raise ConfigError(f"--batch-size {batch} must be a multiple of the world size {world_size}")
 
 
-def frozen_layers(freeze: list[int], model: Model) -> set[int]:
+def frozen_layers(freeze, model):
     """The layers --freeze names (the first N, or the listed ones); ConfigError unless it leaves
     some layer's parameters to train."""
     layers = len(model.model)
@@ -221,7 +221,7 @@ def frozen_layers(freeze: list[int], model: Model) -> set[int]:
     return frozen
 
 
-def build_model(args, data: dict, ckpt: dict | None, given: Model | None = None) -> Model:
+def build_model(args, data, ckpt, given=None):
     """The model to train with data's classes: the given one (YOLO.train), else --cfg (resumed:
     its own) with --weights' fitting tensors; then --freeze."""
     if given is None:
@@ -249,7 +249,7 @@ def build_model(args, data: dict, ckpt: dict | None, given: Model | None = None)
     return model
 
 
-def transfer(state: dict, model: nn.Module, keep_anchors: bool) -> int:
+def transfer(state, model, keep_anchors):
     """Load the tensors of state whose name and shape fit model; returns how many."""
     have = model.state_dict()
     fits = {
@@ -261,7 +261,7 @@ def transfer(state: dict, model: nn.Module, keep_anchors: bool) -> int:
     return len(fits)
 
 
-def build_loaders(args, hyp: dict, model: Model, data: dict, info) -> tuple:
+def build_loaders(args, hyp, model, data, info):
     """(train, val) DataLoaders of YOLODatasets (mosaic; rect val batches) or ClassifyDatasets;
     ConfigError if training would take batches of one image (batch or images per rank 1) that
     BatchNorm cannot train on at --imgsz."""
@@ -318,7 +318,7 @@ def build_loaders(args, hyp: dict, model: Model, data: dict, info) -> tuple:
     return loader, val_loader
 
 
-def build_optimizer(model: nn.Module, lr: float, momentum: float, decay: float, name="SGD"):
+def build_optimizer(model, lr, momentum, decay, name="SGD"):
     """Nesterov SGD (Adam: beta1 = momentum); groups: biases, BatchNorm weights (no decay), rest."""
     biases = []
     norm_weights = []
@@ -346,14 +346,14 @@ def build_optimizer(model: nn.Module, lr: float, momentum: float, decay: float, 
     return OPTIMIZERS[name](groups, lr=lr, **settings)
 
 
-def lr_factor(epoch: int, epochs: int, lrf: float, cos: bool = False) -> float:
+def lr_factor(epoch, epochs, lrf, cos=False):
     """The lr multiplier of an epoch: 1 -> lrf, linearly or along half a cosine."""
     if cos:
         return (1 - math.cos(epoch * math.pi / epochs)) / 2 * (lrf - 1) + 1
     return (1 - epoch / epochs) * (1 - lrf) + lrf
 
 
-def warmup(optimizer, iteration: int, warmup_iters: int, factor: float, hyp: dict, accumulate):
+def warmup(optimizer, iteration, warmup_iters, factor, hyp, accumulate):
     """Warmup: lr (biases: from warmup_bias_lr) and momentum ramp up, over warmup_iters iterations,
     to the epoch's (factor: its lr_factor); returns the accumulation (ramping up to accumulate)."""
     ramp = [0, warmup_iters]
@@ -366,7 +366,7 @@ def warmup(optimizer, iteration: int, warmup_iters: int, factor: float, hyp: dic
 
 
 # ---------------------------------------------------------------- one epoch
-def forward_loss(model, criterion: YOLOLoss, batch: dict, device, amp: torch.dtype | None):
+def forward_loss(model, criterion, batch, device, amp):
     """(loss, loss items) of a batch: the model under autocast to amp (None: fp32), loss in fp32."""
     images = validator.preprocess(batch["images"], device, de_parallel(model).task == "classify")
     labels = [batch[k].to(device) for k in ("targets", "masks") if batch.get(k) is not None]
@@ -376,7 +376,7 @@ def forward_loss(model, criterion: YOLOLoss, batch: dict, device, amp: torch.dty
     return criterion(preds, *labels)
 
 
-def optimizer_step(model, optimizer, scaler, ema: ModelEMA | None):
+def optimizer_step(model, optimizer, scaler, ema):
     scaler.unscale_(optimizer)
     # yolov5's max_norm
     nn.utils.clip_grad_norm_(model.parameters(), 10.0)
@@ -387,9 +387,7 @@ def optimizer_step(model, optimizer, scaler, ema: ModelEMA | None):
         ema.update(model)
 
 
-def train_one_epoch(
-    training: Training, setup: Setup, epoch: int, epoch_seconds: float | None = None
-) -> tuple[dict, float]:
+def train_one_epoch(training, setup, epoch, epoch_seconds=None):
     """One epoch over setup's train loader (detection: warmup, NOMINAL_BATCH images a step) ->
     (mean loss items, img/s). epoch_seconds: the mean wall time of this run's finished epochs (with
     their validation and checkpoints; None in its first), for the whole run's eta."""
@@ -461,20 +459,20 @@ def train_one_epoch(
     return dict(zip(items, mean.tolist())), img_s
 
 
-def draw_first_batch(batch: dict, names: list, save_dir: Path):
+def draw_first_batch(batch, names, save_dir):
     """save_dir/train_batch0.jpg: the first training batch with its labels, drawn in a thread."""
     path = save_dir / "train_batch0.jpg"
     draw_later(batch["images"], batch["targets"], batch["masks"], fname=path, names=names)
 
 
-def peak_memory() -> float:
+def peak_memory():
     """This process's peak memory in GB: on CUDA the memory reserved, else the peak RSS."""
     if torch.cuda.is_initialized():
         return torch.cuda.max_memory_reserved() / 1e9
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
 
 
-def clock(seconds: float) -> datetime.timedelta:
+def clock(seconds):
     """A duration as h:mm:ss, to the second."""
     return datetime.timedelta(seconds=round(seconds))
 
@@ -500,7 +498,7 @@ class CallbackError(RuntimeError):
     """A callback raised: the run stopped on every rank."""
 
 
-def run_callbacks(callbacks: dict, event: Event):
+def run_callbacks(callbacks, event):
     """Call the event's callbacks; if one raises on any rank, CallbackError on every rank."""
     if not callbacks:
         return
@@ -538,7 +536,7 @@ class Setup(NamedTuple):
     save_dir: Path
 
 
-def prepare(args, info, given: Model | None = None) -> Setup:
+def prepare(args, info, given=None):
     """Everything before the first epoch that bad input can stop: ConfigError (one line) then."""
     try:
         run_id = dist.torchrun_id()
@@ -587,7 +585,7 @@ def prepare(args, info, given: Model | None = None) -> Setup:
     )
 
 
-def resumed_args(cli, path: str, ckpt: dict) -> argparse.Namespace:
+def resumed_args(cli, path, ckpt):
     """The resumed run's own arguments, checked as the command line's are (their ranges: by
     check_numbers and check_args); only --device and --amp may change."""
     parser = get_args_parser()
@@ -618,7 +616,7 @@ def resumed_args(cli, path: str, ckpt: dict) -> argparse.Namespace:
 
 
 @contextlib.contextmanager
-def resumed_checks(path: str | None):
+def resumed_checks(path):
     """A ConfigError in the block names the checkpoint (path) whose arguments or hyp it checks."""
     try:
         yield
@@ -640,7 +638,7 @@ class Training(NamedTuple):
     amp: torch.dtype | None
 
 
-def build_training(model: Model, hyp: dict, args, info) -> Training:
+def build_training(model, hyp, args, info):
     """The model to train, its criterion, optimizer, AMP scaler and EMA (see Training)."""
     if model.task == "classify":
         decay = hyp["weight_decay"]
@@ -681,7 +679,7 @@ class Best(NamedTuple):
     epoch: int
 
 
-def fit(args, info, given: Model | None = None, callbacks: dict | None = None) -> dict:
+def fit(args, info, given=None, callbacks=None):
     """Train (the given model, else args'). Returns {save_dir, data, epochs (the last run),
     best_fitness, metrics (best.pt), img_s, model: the trained Model, eval mode, with best.pt's
     weights (else last.pt's)}; callbacks: {event: [functions]} (see EVENTS)."""
@@ -752,7 +750,7 @@ def fit(args, info, given: Model | None = None, callbacks: dict | None = None) -
     )
 
 
-def start_training(setup: Setup, info) -> Training:
+def start_training(setup, info):
     """Seed this rank, move the model to its device, fit its anchors (AutoAnchor: a new detection
     run, unless --noautoanchor) and make it ready to train (see Training)."""
     args = setup.args
@@ -765,7 +763,7 @@ def start_training(setup: Setup, info) -> Training:
     return build_training(model, setup.hyp, args, info)
 
 
-def print_start(setup: Setup, info, amp: torch.dtype | None):
+def print_start(setup, info, amp):
     """The run's first lines: its task, ranks, device, batch, epochs and folder; its precision."""
     args = setup.args
     device = info.device.type
@@ -778,7 +776,7 @@ def print_start(setup: Setup, info, amp: torch.dtype | None):
     dist.print0(f"precision: {PRECISIONS[amp]} (--amp {args.amp})")
 
 
-def autoanchor(model: Model, train_set, threshold: float, args):
+def autoanchor(model, train_set, threshold, args):
     """AutoAnchor on rank 0, in pixels; every rank gets its anchors, in grid units."""
     stride = model.stride.view(-1, 1, 1).to(model.head.anchors)
     pixels = (model.head.anchors * stride).view(-1, 2).cpu().numpy()
@@ -793,7 +791,7 @@ def autoanchor(model: Model, train_set, threshold: float, args):
 
 
 # ---------------------------------------------------------------- resume and save
-def resume(setup: Setup, training: Training, info) -> tuple[int, Best]:
+def resume(setup, training, info):
     """Restore what `save_epoch` saved into the fresh training objects: the model, EMA, optimizer,
     AMP scaler, and this rank's random states. Returns the epoch to start at (the one after the
     saved one) and the best validation so far (a new run: 0 and Best(0.0, 0))."""
@@ -822,7 +820,7 @@ def resume(setup: Setup, training: Training, info) -> tuple[int, Best]:
     return start, Best(ckpt["best_fitness"], ckpt["best_epoch"])
 
 
-def save_epoch(setup: Setup, training: Training, fitted: Event, best: Best, rngs, last):
+def save_epoch(setup, training, fitted, best, rngs, last):
     """On rank 0: the epoch's (fitted: its event after validation) last.pt, and best.pt if it
     validated best, with all a resume needs (rngs: every rank's random states), then its
     results.csv row; under --nosave only the run's last epoch's (final or early-stopped). The
@@ -860,13 +858,13 @@ def save_epoch(setup: Setup, training: Training, fitted: Event, best: Best, rngs
         results.write_text(text)
 
 
-def print_epoch(epoch: int, epochs: int, img_s: float, metrics: dict | None):
+def print_epoch(epoch, epochs, img_s, metrics):
     """The line of a finished epoch: its speed and validation metrics."""
     val = "  ".join(f"{k} {v:.3f}" for k, v in metrics["metrics"].items()) if metrics else "no val"
     dist.print0(f"epoch {epoch + 1}/{epochs}: {img_s:.1f} img/s  {val}")
 
 
-def validate_saved(training: Training, val_loader, save_dir: Path) -> dict:
+def validate_saved(training, val_loader, save_dir):
     """Load best.pt's (else last.pt's) EMA weights into the training's EMA (rank 0 reads the file)
     and validate them."""
     path = save_dir / "weights" / "best.pt"
@@ -879,7 +877,7 @@ def validate_saved(training: Training, val_loader, save_dir: Path) -> dict:
 
 
 # ---------------------------------------------------------------- entry points
-def main(args, model: Model | None = None, callbacks=None) -> dict:
+def main(args, model=None, callbacks=None):
     """Train (see `fit`); the process group lives as long as the call."""
     try:
         info = dist.setup(args.device)
@@ -898,7 +896,7 @@ class Stopped(KeyboardInterrupt):
     """Ctrl-C or SIGTERM stopped a training: args (the signal's name, what the run folder holds)."""
 
 
-def stop_note(nosave: bool) -> str:
+def stop_note(nosave):
     """What a stopped training leaves to --resume (rank 0: the run folder it holds)."""
     runs = [lock.parent for lock in checkpoint.HELD_LOCKS]
     if not runs:
@@ -910,6 +908,6 @@ def stop_note(nosave: bool) -> str:
     return f"no epoch was completed: {runs[-1]} has no weights/last.pt to resume"
 
 
-def run(**kwargs) -> dict:
+def run(**kwargs):
     """Train from Python with train.py's options: `run(cfg="yolov5n.yaml", epochs=3)` -> fit's."""
     return main(parse_kwargs(get_args_parser(), kwargs))

@@ -2,8 +2,6 @@
 training runs every epoch on every rank; `main` validates a checkpoint (val.py, `YOLO.val`),
 sharded over the ranks under torchrun."""
 
-from __future__ import annotations
-
 import argparse
 import json
 import time
@@ -42,7 +40,7 @@ LIMITS = {
 }
 
 
-def preprocess(images: torch.Tensor, device: torch.device, normalize=False):
+def preprocess(images, device, normalize=False):
     """uint8 (bs, 3, H, W) -> float in [0, 1] on the device (normalize: ImageNet-standardised)."""
     x = images.to(device, non_blocking=True).float() / 255
     if normalize:
@@ -158,7 +156,7 @@ def evaluate(model, loader, nms=VAL_NMS, plots_dir=None, save_json=None, coco_id
     return results
 
 
-def infer(model, images: torch.Tensor, nms: dict, amp):
+def infer(model, images, nms, amp):
     """An eval-mode Model on uint8 images (bs, 3, H, W) -> (float logits (bs, nc) of a classifier,
     else NMS's detections per image; each image's prototypes (nm, H/4, W/4) or None; seconds)."""
     device = next(model.parameters()).device
@@ -178,7 +176,7 @@ def infer(model, images: torch.Tensor, nms: dict, amp):
     return dets, protos, seconds
 
 
-def now(device: torch.device):
+def now(device):
     """time.perf_counter() once the device's queued work is done."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -200,7 +198,7 @@ def speed_line(speed, at):
     return f"Speed: {times} per image at {at}"
 
 
-def plot_batch(batch, dets, protos, prefix: Path, names):
+def plot_batch(batch, dets, protos, prefix, names):
     """A batch's labels and predictions (conf >= 0.25): prefix_labels.jpg, prefix_pred.jpg."""
     images = batch["images"]
     labels = f"{prefix}_labels.jpg"
@@ -248,7 +246,7 @@ def check_options(options):
             raise ConfigError(f"{flag} {value}: must be {bounds}")
 
 
-def base_parser(description, nms: dict, project):
+def base_parser(description, nms, project):
     """The options of val.py and predict.py; nms: the defaults of conf_thres, iou_thres, max_det."""
     # No abbreviations: the Python API takes only whole names, and so does the command line.
     parser = argparse.ArgumentParser(description=description, allow_abbrev=False)
@@ -270,7 +268,7 @@ def base_parser(description, nms: dict, project):
     return parser
 
 
-def get_args_parser() -> argparse.ArgumentParser:
+def get_args_parser():
     parser = base_parser("Validate a checkpoint (COCO-exact mAP)", VAL_NMS, "runs/val")
     parser.add_argument("--data", required=True, help="dataset yaml, or 'shapes'")
     parser.add_argument("--batch-size", type=int, default=32, help="per rank, >= 1")
@@ -285,13 +283,13 @@ def get_args_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def add_switches(parser: argparse.ArgumentParser, switches: dict):
+def add_switches(parser, switches):
     """A store_true option for each flag of switches, with its help text (None: none)."""
     for flag, text in switches.items():
         parser.add_argument(flag, action="store_true", help=text)
 
 
-def main(args: argparse.Namespace, model=None):
+def main(args, model=None):
     """Validate the model (YOLO.val), else --weights; rank 0 prints the table and writes
     metrics.json. Returns evaluate's metrics."""
     # before the process group and the model: a bad number costs nothing
