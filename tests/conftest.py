@@ -3,6 +3,7 @@ generated datasets (tiny, small_shapes) for fast end-to-end runs."""
 
 import os
 import shutil
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +28,15 @@ def need(path: Path) -> Path:
     if not path.exists():
         pytest.skip(f"{path} is absent (../shared holds the reference fixtures and COCO samples)")
     return path
+
+
+@pytest.fixture
+def sigint_raises():
+    """SIGINT raising KeyboardInterrupt as in a terminal, even where the suite was started with it
+    ignored (a background job's SIGINT is SIG_IGN, and Python then keeps it so)."""
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, old)
 
 
 @pytest.fixture

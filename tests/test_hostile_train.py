@@ -477,7 +477,7 @@ def test_bare_resume_never_continues_an_older_run(tiny, tmp_path, monkeypatch, c
     assert tree(project) == before
 
 
-def test_checkpoint_is_written_before_the_results_row(tiny, tmp_path, monkeypatch):
+def test_checkpoint_is_written_before_the_results_row(tiny, tmp_path, monkeypatch, sigint_raises):
     """A Ctrl-C that arrives as an epoch's last.pt is written takes effect after the checkpoint and
     its results.csv row: the row and the checkpoint agree; a row lost by a kill between the two is
     restored from the checkpoint by --resume."""
