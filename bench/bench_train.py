@@ -18,11 +18,16 @@ nothing. Figures on a shared machine move by +-7% between runs: --repeat N runs 
 workers, validation and checkpoints), --amp off against auto, alternating, wall time of each
 (--repeat rounds); --yolov5 DIR adds yolov5's own train.py, same job, to the alternation (run it
 with a Python that has yolov5's requirements; offline, yolov5 wants a font: any .ttf copied to
-~/.config/Ultralytics/Arial.ttf).
+~/.config/Ultralytics/Arial.ttf). yolov5 reads a copy of coco128 made in a temporary folder: it
+writes labels/*.cache beside the images, and ../shared must stay unchanged.
+--cls-e2e: the same for classify, 10 epochs of shapes-cls at 64, batch 64, 2 workers: wall time and
+the last epoch's top-1 of each run; --yolov5 DIR adds yolov5's classify/train.py (yolov5n-cls from
+scratch) on a copy of the same ImageFolder.
 --ddp adds det at 320 under torchrun, 2 processes x 1 thread (1 worker each), against 1 x 2 threads.
 
     python bench/bench_train.py [--cases det320 seg320 det640 seg640 cls224 cls64] [--amp off auto]
-                                [--iters 8] [--repeat 1] [--layouts] [--e2e [--yolov5 DIR]] [--ddp]
+                                [--iters 8] [--repeat 1] [--layouts] [--e2e] [--cls-e2e]
+                                [--yolov5 DIR] [--ddp]
 """
 
 import argparse
@@ -31,6 +36,7 @@ import json
 import os
 import re
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -51,15 +57,24 @@ LAYOUTS = {  # name: (--amp, channels_last)
 }
 
 
-def data_yaml(task: str, folder: Path, val: str = "coco8{seg}/images/val") -> Path:
-    """coco128(-seg) for training, coco8(-seg) val for the (short) validation, by absolute path
-    (yolov5 would read a relative one from its own datasets/ folder)."""
+def data_yaml(task: str, folder: Path, val: str = "coco8{seg}/images/val", root=DATA) -> Path:
+    """coco128(-seg) for training, coco8(-seg) val for the (short) validation, under root (DATA or
+    copy_data's copy) by absolute path (yolov5 would read a relative one from its datasets/)."""
     seg = "-seg" if task == "seg" else ""
     names = (DATA / "coco128.yaml").read_text().split("names:", 1)[1]
-    path = folder / f"bench{seg}.yaml"
+    path = folder / f"bench{seg}{'' if root == DATA else '-copy'}.yaml"
     images = f"train: coco128{seg}/images/train2017\nval: {val.format(seg=seg)}"
-    path.write_text(f"path: {DATA}\n{images}\nnames:{names}")
+    path.write_text(f"path: {root}\n{images}\nnames:{names}")
     return path
+
+
+def copy_data(names: list[str], folder: Path) -> Path:
+    """folder/data, a copy of the folders `names` of DATA (but their annotations/): what yolov5
+    reads, as it writes labels/*.cache beside the images and ../shared must stay unchanged."""
+    root = folder / "data"
+    for name in names:
+        shutil.copytree(DATA / name, root / name, ignore=shutil.ignore_patterns("annotations"))
+    return root
 
 
 def cls_folder(folder: Path, imgsz: int) -> Path:
@@ -195,13 +210,16 @@ def end_to_end(amps=("off", "auto"), rounds: int = 1, epochs: int = 3, yolov5=No
     "errors": [...]}. Everything a user waits for: start-up, AutoAnchor, epochs, validation.
     yolov5: a yolov5 checkout, whose train.py (CPU: fp32) joins the alternation as "yolov5"."""
     out = {"errors": [], **{a: [] for a in amps}}
+    val = "coco128/images/train2017"  # as coco128.yaml
     with tempfile.TemporaryDirectory() as tmp:
-        data = data_yaml("det", Path(tmp), val="coco128/images/train2017")  # as coco128.yaml
-        common = ["train.py", "--data", str(data), "--imgsz", "320", "--batch-size", "16"]
+        common = ["train.py", "--imgsz", "320", "--batch-size", "16"]
         common += ["--workers", "2", "--epochs", str(epochs)]
-        runs = {a: (ROOT, ["--amp", a]) for a in amps}
+        ours = ["--data", str(data_yaml("det", Path(tmp), val=val))]
+        runs = {a: (ROOT, [*ours, "--amp", a]) for a in amps}
         if yolov5:  # from scratch, as ours; yolov5 trains in fp32 on a CPU
-            runs["yolov5"] = (yolov5, ["--cfg", "yolov5n.yaml", "--weights", "", "--device", "cpu"])
+            copy = data_yaml("det", Path(tmp), val=val, root=copy_data(["coco128"], Path(tmp)))
+            extra = ["--data", str(copy), "--cfg", "yolov5n.yaml", "--weights", ""]
+            runs["yolov5"] = (yolov5, [*extra, "--device", "cpu"])
             out["yolov5"] = []
         for r in range(rounds):
             for name, (cwd, extra) in runs.items():
@@ -212,6 +230,70 @@ def end_to_end(amps=("off", "auto"), rounds: int = 1, epochs: int = 3, yolov5=No
                     out["errors"].append(f"{name}: {p.stderr[-300:]}")
                 else:
                     out[name].append(time.perf_counter() - t0)
+    return out
+
+
+# yolov5n-cls from scratch as yolov5 made it: yolov5n's first 10 layers, a Classify head for nc
+# classes (its classify/train.py takes a .pt file, a torchvision name or, older, a hub download)
+YOLOV5_CLS = (
+    "import sys, torch; from models.yolo import ClassificationModel, DetectionModel; "
+    "m = ClassificationModel(model=DetectionModel('models/yolov5n.yaml'), nc=int(sys.argv[2])); "
+    "torch.save({'model': m}, sys.argv[1])"
+)
+# the last epoch's line: ours `epoch 10/10: 812.3 img/s  top1_acc 0.953  ...`, yolov5's progress
+# bar `10/10  0G  train_loss  val_loss  top1  top5: 100%|...` once validated (numbers in %.3g)
+TOP1 = {
+    "ours": r"epoch {n}/{n}: .*?top1_acc (\S+)",
+    "yolov5": r"{n}/{n}\s+\S+\s+[\d.e+-]+\s+[\d.e+-]+\s+([\d.e+-]+)\s+[\d.e+-]+:",
+}
+
+
+def yolov5_cls_model(yolov5: str, folder: Path, nc: int) -> Path:
+    """folder/yolov5n-cls.pt, yolov5's own yolov5n-cls untrained, made with yolov5's code."""
+    path = folder / "yolov5n-cls.pt"
+    cmd = [sys.executable, "-c", YOLOV5_CLS, str(path), str(nc)]
+    p = subprocess.run(cmd, cwd=yolov5, capture_output=True, text=True)
+    if p.returncode:
+        raise RuntimeError(f"yolov5n-cls.pt: {p.stderr[-300:]}")
+    return path
+
+
+def cls_end_to_end(amps=("off", "auto"), rounds: int = 1, epochs: int = 10, yolov5=None) -> dict:
+    """Wall time (s) and last-epoch top-1 of `python train.py --cfg yolov5n-cls.yaml --data
+    shapes-cls --imgsz 64 --epochs 10 --batch-size 64 --workers 2 --amp X` for each X
+    (alternating, `rounds` times): {X: [(seconds, top1)...], "errors": [...]}. yolov5: a yolov5
+    checkout, whose classify/train.py (CPU: fp32; its yolov5n-cls from scratch, Adam as ours)
+    joins the alternation as "yolov5" on a copy of the ImageFolder."""
+    from yolo_min import shapes
+
+    out = {"errors": [], **{a: [] for a in amps}}
+    data = shapes.ensure("shapes-cls")
+    with tempfile.TemporaryDirectory() as tmp:
+        common = ["--epochs", str(epochs), "--batch-size", "64", "--workers", "2"]
+        ours = ["train.py", "--cfg", "yolov5n-cls.yaml", "--data", str(data), "--imgsz", "64"]
+        runs = {a: (ROOT, [*ours, "--amp", a], TOP1["ours"]) for a in amps}
+        if yolov5:  # from scratch: --pretrained False re-initialises what the .pt holds
+            copy = Path(shutil.copytree(data, Path(tmp) / "shapes-cls"))
+            model = yolov5_cls_model(yolov5, Path(tmp), len(list((copy / "train").iterdir())))
+            theirs = ["classify/train.py", "--data", str(copy), "--img", "64"]
+            theirs += ["--model", str(model), "--pretrained", "False", "--device", "cpu"]
+            runs["yolov5"] = (yolov5, theirs, TOP1["yolov5"])
+            out["yolov5"] = []
+        # yolov5's torch.load of the pickled model above: torch >= 2.6 loads weights only
+        pickled = {**os.environ, "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1"}
+        for r in range(rounds):
+            for name, (cwd, extra, top1) in runs.items():
+                env = pickled if name == "yolov5" else None
+                cmd = [sys.executable, *extra, *common, "--project", tmp, "--name", f"{name}{r}"]
+                t0 = time.perf_counter()
+                p = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
+                seconds = time.perf_counter() - t0
+                # yolov5 logs and draws its progress bars on stderr
+                hits = re.findall(top1.format(n=epochs), p.stdout + p.stderr)
+                if p.returncode or not hits:
+                    out["errors"].append(f"{name}: {p.stderr[-300:]}")
+                else:
+                    out[name].append((seconds, float(hits[-1])))
     return out
 
 
@@ -247,7 +329,8 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=1, help="runs of each case")
     p.add_argument("--layouts", action="store_true", help="model-only fp32/bf16 x layouts only")
     p.add_argument("--e2e", action="store_true", help="end to end: 3 epochs det 320, off vs auto")
-    p.add_argument("--yolov5", help="--e2e: time this yolov5 checkout's train.py alongside")
+    p.add_argument("--cls-e2e", action="store_true", help="end to end: 10 epochs shapes-cls 64")
+    p.add_argument("--yolov5", help="--e2e, --cls-e2e: time this yolov5 checkout alongside")
     p.add_argument("--ddp", action="store_true")
     p.add_argument("--one", help=argparse.SUPPRESS)  # child mode: one case, prints a RESULT line
     args = p.parse_args()
@@ -287,6 +370,14 @@ def main() -> None:
             mean = statistics.mean(e[name] or [float("nan")])
             runs = " ".join(f"{t:.1f}" for t in e[name])
             print(f"end to end, {name}: {mean:.1f} s ({runs})")
+        print("".join(f"  failed: {err}\n" for err in e["errors"]), end="")
+    if args.cls_e2e:
+        e = cls_end_to_end(args.amp, args.repeat, yolov5=args.yolov5)
+        for name in [*args.amp, *(["yolov5"] if args.yolov5 else [])]:
+            seconds, top1 = zip(*e[name]) if e[name] else ([float("nan")], [float("nan")])
+            runs = " ".join(f"{t:.1f} s {a:.3f}" for t, a in e[name])
+            mean = f"{statistics.mean(seconds):.1f} s, top-1 {statistics.mean(top1):.3f}"
+            print(f"cls end to end, {name}: {mean} ({runs})")
         print("".join(f"  failed: {err}\n" for err in e["errors"]), end="")
     if args.ddp:
         print("torchrun (CPU, gloo):")
