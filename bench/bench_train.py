@@ -374,10 +374,13 @@ def main() -> None:
     if args.cls_e2e:
         e = cls_end_to_end(args.amp, args.repeat, yolov5=args.yolov5)
         for name in [*args.amp, *(["yolov5"] if args.yolov5 else [])]:
-            seconds, top1 = zip(*e[name]) if e[name] else ([float("nan")], [float("nan")])
+            if not e[name]:
+                print(f"cls end to end, {name}: no run finished")
+                continue
+            seconds = statistics.mean(t for t, _ in e[name])
+            top1 = statistics.mean(a for _, a in e[name])
             runs = " ".join(f"{t:.1f} s {a:.3f}" for t, a in e[name])
-            mean = f"{statistics.mean(seconds):.1f} s, top-1 {statistics.mean(top1):.3f}"
-            print(f"cls end to end, {name}: {mean} ({runs})")
+            print(f"cls end to end, {name}: {seconds:.1f} s, top-1 {top1:.3f} ({runs})")
         print("".join(f"  failed: {err}\n" for err in e["errors"]), end="")
     if args.ddp:
         print("torchrun (CPU, gloo):")
