@@ -3,14 +3,14 @@
 Each image draws its own parameters from its (seed, epoch, index) alone, so they are the same in
 any batch, worker or rank: a RandomResizedCrop box (8-100% of the area, width / height 3/4-4/3, as
 torchvision defines it), a horizontal flip (p 0.5) and, for half the images, colour jitter
-(brightness, contrast and saturation factors each from U(0.6, 1.4), no hue). One roi_align call
-then crops and resizes the whole batch; a select flips it."""
+(brightness, contrast and saturation factors each from U(0.6, 1.4), no hue). One grid_sample
+call then crops, resizes and flips the whole batch."""
 
 import math
 import random
 
 import torch
-from torchvision.ops import roi_align
+from torch.nn.functional import grid_sample
 from torchvision.transforms.v2.functional import rgb_to_grayscale
 
 from . import datasets
@@ -65,9 +65,6 @@ def augment(images, sizes, keys):
     draw(keys[k], h, w) -> uint8 (bs,3,S,S) on the same device: S is the training size."""
     draws = [draw(key, *size) for key, size in zip(keys, sizes)]
     boxes, flips, colours = zip(*draws)
-    side = images.shape[-1]
-    # roi_align's boxes: the image's place in the batch, then x0, y0, x1, y1 in pixels
-    rois = [[k, *(v * side for v in box)] for k, box in enumerate(boxes)]
     jittered = [k for k, colour in enumerate(colours) if colour != (1.0, 1.0, 1.0)]
 
     # Copies to the device that do not wait for it, and a select and index lists made on the host
@@ -75,19 +72,31 @@ def augment(images, sizes, keys):
     def upload(values, dtype=None):
         return torch.tensor(values, dtype=dtype).to(images.device, non_blocking=True)
 
-    rois = upload(rois)
-    flips = upload(flips)
+    grid = crop_grid(upload(boxes), upload(flips), side=images.shape[-1])
+    # Bilinear samples at the crop's pixel centres, edges clamped, as roi_align(aligned=True)
+    # takes them with one sample a pixel (a crop is never larger than the image).
+    x = grid_sample(images.float(), grid, padding_mode="border", align_corners=False)
     factors = upload([colours[k] for k in jittered]).view(-1, 3)
     jittered = upload(jittered, dtype=torch.long)
-    # aligned: box edges are pixel edges; sampling_ratio -1: ceil(box / side) samples a pixel
-    # and axis, averaged, so that a crop is smoothed as it shrinks
-    x = roi_align(images.float(), rois, side, sampling_ratio=-1, aligned=True)
     # Only the jittered half pays for the colour arithmetic and the clamp (a crop of a uint8
     # image stays within 0-255).
     x[jittered] = jitter(x[jittered], factors).clamp_(0, 255)
-    x = x.round_().byte()
-    # A flip commutes with the per-pixel colour maps, so it is done last, on the uint8 images.
-    return torch.where(flips.view(-1, 1, 1, 1), x.flip(-1), x)
+    return x.round_().byte()
+
+
+def crop_grid(boxes, flips, side):
+    """grid_sample's grid (bs,side,side,2) of (x, y) in -1..1 (-1 and 1: the image's outer edges)
+    at the pixel centres of each image's crop: boxes (bs,4) x0, y0, x1, y1 as fractions, flips
+    (bs,) bool mirrors the crop left to right."""
+    steps = (torch.arange(side, device=boxes.device) + 0.5) / side
+    x0, y0, x1, y1 = (boxes * 2 - 1).T[..., None]
+    xs = x0 + steps * (x1 - x0)
+    ys = y0 + steps * (y1 - y0)
+    xs = torch.where(flips[:, None], xs.flip(-1), xs)
+    bs = len(boxes)
+    grid_x = xs[:, None, :].expand(bs, side, side)
+    grid_y = ys[:, :, None].expand(bs, side, side)
+    return torch.stack([grid_x, grid_y], dim=-1)
 
 
 def jitter(x, factors):
