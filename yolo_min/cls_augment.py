@@ -90,12 +90,10 @@ def crop_grid(boxes, flips, side):
     (bs,) bool mirrors the crop left to right."""
     steps = (torch.arange(side, device=boxes.device) + 0.5) / side
     x0, y0, x1, y1 = (boxes * 2 - 1).T[..., None]
-    xs = x0 + steps * (x1 - x0)
-    ys = y0 + steps * (y1 - y0)
+    xs = torch.lerp(x0, x1, steps)
+    ys = torch.lerp(y0, y1, steps)
     xs = torch.where(flips[:, None], xs.flip(-1), xs)
-    bs = len(boxes)
-    grid_x = xs[:, None, :].expand(bs, side, side)
-    grid_y = ys[:, :, None].expand(bs, side, side)
+    grid_x, grid_y = torch.broadcast_tensors(xs[:, None, :], ys[:, :, None])
     return torch.stack([grid_x, grid_y], dim=-1)
 
 
