@@ -116,7 +116,8 @@ def test_process_mask_crops_to_box_and_scale_masks_cuts_padding():
     protos[0] = 5.0  # coef (1, 0) -> sigmoid(5) everywhere: the mask is exactly the box crop
     protos[1] = -5.0
     boxes = torch.tensor([[3.5, 8.0, 20.0, 30.2], [0.0, 0.0, 64.0, 64.0]])
-    masks = process_mask(protos, torch.tensor([[1.0, 0.0], [0.0, 1.0]]), boxes, (64, 64))
+    det = torch.cat((boxes, torch.zeros(2, 2), torch.tensor([[1.0, 0.0], [0.0, 1.0]])), 1)
+    masks = process_mask(protos, det, (64, 64))
     want = torch.zeros(64, 64, dtype=torch.bool)
     # cropped at prototype resolution (1/4): columns 0.875 <= c < 5 and rows 2 <= r < 7.55, i.e.
     # 1-4 and 2-7, then upsampled by 4: input columns 4-19 and rows 8-31 (sigmoid(5) ~ 1), but

@@ -81,11 +81,13 @@ def scale_boxes(boxes, ratio_pad, orig_hw):
     return torch.stack((x, y), 2).flatten(1)
 
 
-def process_mask(protos, coefs, boxes, input_hw):
-    """protos (nm, h, w), coefs (n, nm), boxes (n, 4) xyxy input pixels -> (n, H, W) bool masks."""
+def process_mask(protos, det, input_hw):
+    """protos (nm, h, w), det (n, 6+nm) non_max_suppression's [x1, y1, x2, y2 input pixels, conf,
+    cls, coefs] -> (n, H, W) bool masks."""
     # yolov5's process_mask(upsample=True): sigmoid(coefs @ protos), cropped, upsampled, > 0.5
     h, w = protos.shape[1:]
-    masks = (coefs.float() @ protos.float().flatten(1)).sigmoid().view(-1, 1, h, w)
+    masks = (det[:, 6:].float() @ protos.float().flatten(1)).sigmoid().view(-1, 1, h, w)
+    boxes = det[:, :4]
     input_h, input_w = input_hw
     scale = boxes.new_tensor([w / input_w, h / input_h] * 2)
     # the boxes in prototype pixels, each coordinate (n, 1, 1, 1)
