@@ -406,6 +406,11 @@ class Model(nn.Module):
         """The last layer: a Detect (or Segment, a Detect) or a Classify head."""
         return self.model[-1]
 
+    @property
+    def max_stride(self):
+        """The largest stride, an int (input pixels): the input's sides are multiples of it."""
+        return int(self.stride.max())
+
     def _measure_strides(self):
         """The head's strides from one dummy pass; then its anchors from pixels to grid units."""
         head = self.head

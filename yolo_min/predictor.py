@@ -269,7 +269,7 @@ def stream(model, images, imgsz=640, batch_size=1, workers=0, polygons=False, am
     was_training = model.training
     model.eval()
     try:
-        stride = int(model.stride.max())
+        stride = model.max_stride
         classify = model.task == "classify"
         load = partial(read, imgsz=make_divisible(imgsz, stride), stride=stride, classify=classify)
         # collate_fn: each item is decoded in the workers
@@ -582,7 +582,7 @@ def main(args):
         if args.classes and not all(0 <= c < model.nc for c in args.classes):
             listed = " ".join(map(str, args.classes))
             raise ValueError(f"--classes {listed}: {args.weights} has classes 0 to {model.nc - 1}")
-        args.imgsz = round_imgsz(args.imgsz, int(model.stride.max()))
+        args.imgsz = round_imgsz(args.imgsz, model.max_stride)
         save_dir.mkdir(parents=True, exist_ok=True)
         if args.save_txt:
             (save_dir / "labels").mkdir(exist_ok=True)

@@ -267,7 +267,7 @@ def build_loaders(args, hyp, model, data, info):
     BatchNorm cannot train on at --imgsz."""
     datasets.check_task(data, model.task)
     batch = args.batch_size // info.world_size
-    stride = int(model.stride.max())
+    stride = model.max_stride
     # --cache off: any value but auto and ram
     shared = dict(
         imgsz=args.imgsz,

@@ -302,7 +302,7 @@ def main(args, model=None):
         if model is None:
             model = load_model(args.weights, info.device)
         model = model.to(info.device, memory_format=layout)
-        imgsz = round_imgsz(args.imgsz, int(model.stride.max()))
+        imgsz = round_imgsz(args.imgsz, model.max_stride)
         loader = build_loader(args, model, imgsz=imgsz, info=info)
         save_dir = dist.run_on_main(next_run_dir, args.project, args.name, args.exist_ok)
         save_dir.mkdir(parents=True, exist_ok=True)
@@ -349,7 +349,7 @@ def build_loader(args, model, imgsz, info):
                 task=model.task,
                 rect=True,
                 batch_size=args.batch_size,
-                stride=int(model.stride.max()),
+                stride=model.max_stride,
                 nc=data["nc"],
                 verbose=verbose,
                 local_world_size=info.local_world_size,

@@ -154,7 +154,7 @@ class YOLO:
             device = next(model.parameters()).device
         # stream runs it in eval mode and gives it back in its own mode
         model = model.to(device)
-        args.imgsz = validator.round_imgsz(args.imgsz, int(model.stride.max()))
+        args.imgsz = validator.round_imgsz(args.imgsz, model.max_stride)
         amp = predictor.predict_amp(device, args.amp)
         results = predictor.stream_args(model, images, args, amp)
         if stream:
