@@ -32,7 +32,7 @@ from .checkpoint import next_run_dir
 from .cli import ConfigError, parse_kwargs
 from .datasets import to_rgb8
 from .files import READ_NONBLOCKING, first_line, replace_file
-from .labels import IMG_FORMATS, DataError
+from .labels import IMG_FORMATS, DataError, file_id
 from .models import amp_dtype, make_divisible
 from .safe_load import load_model
 from .validator import (
@@ -140,11 +140,10 @@ def walk_once(root):
 def file_key(path):
     """What makes path one real file: its (device, inode), else (missing) its absolute path."""
     try:
-        status = os.stat(path)
+        return file_id(path)
     except (OSError, ValueError):
         # missing, or (ValueError) a NUL byte in the path
         return os.path.abspath(path)
-    return (status.st_dev, status.st_ino)
 
 
 def source_images(source):
