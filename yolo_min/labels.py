@@ -318,38 +318,9 @@ def verify(im_file, lb_file, nc=None):
     return Verified(status, (h, w), rows, msgs=msgs, dropped=dropped, fixed=fixed)
 
 
-def _verify_all(files, lb_files, nc):
-    """Verify every pair -> a value per file, flat tensors per row (weights_only-loadable)."""
-    results = thread_map(verify, files, lb_files, [nc] * len(files))
-    # per file: Verified's fields
-    status, shapes, file_rows, file_msgs, dropped, fixed = zip(*results)
-    rows = [row for per_file in file_rows for row in per_file]
-    polygons = [points for _, _, points in rows]
-    msgs = [msg for per_file in file_msgs for msg in per_file]
-    missing = {os.path.dirname(lb) for s, lb in zip(status, lb_files) if s == MISSING}
-    msgs += [
-        f"labels folder {folder} does not exist: its images are used as background"
-        for folder in sorted(missing)
-        if not os.path.isdir(folder)
-    ]
-    boxes = np.array([box for _, box, _ in rows], np.float32).reshape(-1, 4)
-    points = np.concatenate([*polygons, np.zeros((0, 2))]).astype(np.float32)
-    return dict(
-        status=status,
-        shapes=shapes,
-        nrows=[len(per_file) for per_file in file_rows],
-        cls=torch.tensor([cls for cls, _, _ in rows], dtype=torch.int64),
-        boxes=torch.from_numpy(boxes),
-        npts=[len(p) for p in polygons],
-        pts=torch.from_numpy(points),
-        msgs=msgs,
-        dropped=sum(dropped),
-        fixed=sum(fixed),
-    )
-
-
 def _load_or_build(files, nc, prefix, verbose):
-    """The labels/<split>.cache if its key (version, nc, file stats) matches; else verify, save."""
+    """The labels/<split>.cache if its key (version, nc, file stats) matches; else every pair
+    verified and saved: a value per file, flat tensors per row (weights_only-loadable)."""
     lb_files = [img2label_path(f) for f in files]
     digest = hashlib.sha256(f"{CACHE_VERSION}|{nc}".encode())
     for f in files + lb_files:
@@ -368,7 +339,33 @@ def _load_or_build(files, nc, prefix, verbose):
             data = torch.load(path, weights_only=True)
             if data["key"] == key:
                 return data
-    data = dict(_verify_all(files, lb_files, nc), key=key)
+    results = thread_map(verify, files, lb_files, [nc] * len(files))
+    # per file: Verified's fields
+    status, shapes, file_rows, file_msgs, dropped, fixed = zip(*results)
+    rows = [row for per_file in file_rows for row in per_file]
+    polygons = [points for _, _, points in rows]
+    msgs = [msg for per_file in file_msgs for msg in per_file]
+    missing = {os.path.dirname(lb) for s, lb in zip(status, lb_files) if s == MISSING}
+    msgs += [
+        f"labels folder {folder} does not exist: its images are used as background"
+        for folder in sorted(missing)
+        if not os.path.isdir(folder)
+    ]
+    boxes = np.array([box for _, box, _ in rows], np.float32).reshape(-1, 4)
+    points = np.concatenate([*polygons, np.zeros((0, 2))]).astype(np.float32)
+    data = dict(
+        status=status,
+        shapes=shapes,
+        nrows=[len(per_file) for per_file in file_rows],
+        cls=torch.tensor([cls for cls, _, _ in rows], dtype=torch.int64),
+        boxes=torch.from_numpy(boxes),
+        npts=[len(p) for p in polygons],
+        pts=torch.from_numpy(points),
+        msgs=msgs,
+        dropped=sum(dropped),
+        fixed=sum(fixed),
+        key=key,
+    )
     try:
         # root ignores permission bits; a folder marked read-only is respected
         writable = os.access(path.parent, os.W_OK) and path.parent.stat().st_mode & 0o222
