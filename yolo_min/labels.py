@@ -46,9 +46,19 @@ class DataError(ValueError):
     """A dataset problem that stops the run: the message is one actionable line."""
 
 
+class Parsed(NamedTuple):
+    """A label file's valid rows [(cls, [cx, cy, w, h], polygon (k, 2))], its warnings, and how
+    many rows were dropped and how many clipped into [0, 1]."""
+
+    rows: list
+    msgs: list
+    dropped: int
+    fixed: int
+
+
 class Verified(NamedTuple):
     """One image/label pair: FOUND, MISSING, EMPTY or CORRUPT; the image's (h, w) as shown (0, 0 if
-    corrupt); its label rows, warnings, rows dropped and rows clipped (as parse_labels')."""
+    corrupt); its label rows, warnings, rows dropped and rows clipped (as Parsed)."""
 
     status: int
     shape: tuple
@@ -210,10 +220,10 @@ def row_problem(line, values, nc):
 
 
 def parse_labels(text, where, nc=None):
-    """Label file text -> (its valid rows [(cls, [cx, cy, w, h], polygon (k,2))], its warnings, how
-    many rows were dropped, how many clipped into [0, 1]). Row: `cls cx cy w h` or `cls x1 y1 x2 y2
-    x3 y3 ...` (a polygon, its box its extent) in [0, 1]. A file with both has its box rows made
-    rectangles: all rows or none have a polygon (else k = 0)."""
+    """Label file text -> Parsed: rows [(cls, [cx, cy, w, h], polygon (k,2))], msgs, dropped,
+    fixed. Row: `cls cx cy w h` or `cls x1 y1 x2 y2 x3 y3 ...` (a polygon, its box its extent) in
+    [0, 1]. A file with both has its box rows made rectangles: all rows or none have a polygon (else
+    k = 0)."""
     rows = []
     # the values of each row kept -> its line number
     seen = {}
@@ -263,7 +273,7 @@ def parse_labels(text, where, nc=None):
             (cls, box, points if len(points) else box_corners(xywh2xyxy(box)))
             for cls, box, points in rows
         ]
-    return rows, msgs, dropped, fixed
+    return Parsed(rows=rows, msgs=msgs, dropped=dropped, fixed=fixed)
 
 
 def verify(im_file, lb_file, nc=None):
