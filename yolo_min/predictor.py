@@ -521,15 +521,16 @@ def save(result, save_dir, args, stem, folders):
 
 def get_args_parser():
     parser = base_parser("Predict boxes (and masks) on images", PREDICT_NMS, "runs/predict")
-    parser.add_argument(
+    add = parser.add_argument
+    add(
         "--source",
         required=True,
         help="image, folder, glob or .txt list of paths (relative ones: to the list's folder)",
     )
-    parser.add_argument("--classes", nargs="+", type=int, help="keep only these classes")
+    add("--classes", nargs="+", type=int, help="keep only these classes")
     add_switches(parser, {"--agnostic-nms": "NMS across classes"})
-    parser.add_argument("--batch-size", type=int, default=1, help="per rank, >= 1")
-    parser.add_argument(
+    add("--batch-size", type=int, default=1, help="per rank, >= 1")
+    add(
         "--workers",
         type=int,
         default=0,
@@ -547,9 +548,7 @@ def get_args_parser():
         "--nosave": "no annotated images",
     }
     add_switches(parser, outputs)
-    parser.add_argument(
-        "--line-width", type=int, help="box width in pixels, >= 1 (default: by size)"
-    )
+    add("--line-width", type=int, help="box width in pixels, >= 1 (default: by size)")
     add_switches(parser, {"--hide-labels": None, "--hide-conf": None})
     return parser
 

@@ -250,29 +250,31 @@ def base_parser(description, nms, project):
     """The options of val.py and predict.py; nms: the defaults of conf_thres, iou_thres, max_det."""
     # No abbreviations: the Python API takes only whole names, and so does the command line.
     parser = argparse.ArgumentParser(description=description, allow_abbrev=False)
-    parser.add_argument("--weights", required=True, help="yolo_min checkpoint or yolov5 .pt")
-    parser.add_argument(
+    add = parser.add_argument
+    add("--weights", required=True, help="yolo_min checkpoint or yolov5 .pt")
+    add(
         "--imgsz",
         type=int,
         default=640,
         help="long side, 32 to 8192 (rounded up to a multiple of the stride)",
     )
-    parser.add_argument("--conf-thres", type=float, default=nms["conf_thres"], help="0 to 1")
-    parser.add_argument("--iou-thres", type=float, default=nms["iou_thres"], help="NMS IoU, 0 to 1")
-    parser.add_argument("--max-det", type=int, default=nms["max_det"], help="per image, >= 1")
-    parser.add_argument("--device", default="", help="cpu, 0, cuda:1 (default: cuda if available)")
-    parser.add_argument("--amp", choices=["auto", "on", "off"], default="auto", help=AMP_HELP)
-    parser.add_argument("--project", default=project)
-    parser.add_argument("--name", default="exp")
-    parser.add_argument("--exist-ok", action="store_true")
+    add("--conf-thres", type=float, default=nms["conf_thres"], help="0 to 1")
+    add("--iou-thres", type=float, default=nms["iou_thres"], help="NMS IoU, 0 to 1")
+    add("--max-det", type=int, default=nms["max_det"], help="per image, >= 1")
+    add("--device", default="", help="cpu, 0, cuda:1 (default: cuda if available)")
+    add("--amp", choices=["auto", "on", "off"], default="auto", help=AMP_HELP)
+    add("--project", default=project)
+    add("--name", default="exp")
+    add("--exist-ok", action="store_true")
     return parser
 
 
 def get_args_parser():
     parser = base_parser("Validate a checkpoint (COCO-exact mAP)", VAL_NMS, "runs/val")
-    parser.add_argument("--data", required=True, help="dataset yaml, or 'shapes'")
-    parser.add_argument("--batch-size", type=int, default=32, help="per rank, >= 1")
-    parser.add_argument("--workers", type=int, default=4, help=">= 0")
+    add = parser.add_argument
+    add("--data", required=True, help="dataset yaml, or 'shapes'")
+    add("--batch-size", type=int, default=32, help="per rank, >= 1")
+    add("--workers", type=int, default=4, help=">= 0")
     switches = {
         "--save-json": "write predictions.json",
         "--coco-ids": "COCO-91 ids in predictions.json",
