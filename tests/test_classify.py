@@ -12,8 +12,8 @@ import pytest
 import torch
 from PIL import Image
 
-from yolo_min import cls_augment, predictor, shapes, validator
-from yolo_min.cls_augment import augment, augment_batch
+from yolo_min import predictor, shapes, validator
+from yolo_min.cls_augment import augment
 from yolo_min.datasets import ClassifyDataset, build_dataloader, collate, load_data_config
 from yolo_min.labels import DataError
 from yolo_min.losses import ClassifyLoss
@@ -164,7 +164,8 @@ def test_batches_do_not_depend_on_workers(tmp_path):
     ds = ClassifyDataset(root / "train", imgsz=32, augment=True, verbose=False)
 
     def batches(workers, seed=0, rank=0, world=1):
-        """The loader's batches with cls_augment's images, as train_one_epoch makes them."""
+        """The loader's batches with cls_augment's images, as train_one_epoch makes them
+        (augment_batch)."""
         kw = dict(shuffle=True, rank=rank, world_size=world, seed=seed)
         loader, sampler = build_dataloader(ds, 4, workers, **kw)
         sampler.set_epoch(2)
@@ -183,35 +184,6 @@ def test_batches_do_not_depend_on_workers(tmp_path):
     two = batches(0, rank=0, world=2) + batches(0, rank=1, world=2)
     one = {int(i): im for idx, ims, _ in a for i, im in zip(idx, ims)}
     assert all(torch.equal(one[int(i)], im) for idx, ims, _ in two for i, im in zip(idx, ims))
-
-
-def test_workers_augment_as_the_step_loop_does(tmp_path):
-    # A CPU run augments in the workers (cls_augment.collate), a GPU run in the step loop
-    # (augment_batch): the same batches, with and without workers, under one rank or two.
-    root = make_folder(tmp_path, n=5)
-    ds = ClassifyDataset(root / "train", imgsz=32, augment=True, verbose=False)
-
-    def batches(workers, collate_fn, rank=0, world=1):
-        kw = dict(shuffle=True, rank=rank, world_size=world, seed=3, collate_fn=collate_fn)
-        loader, sampler = build_dataloader(ds, 4, workers, **kw)
-        sampler.set_epoch(1)
-        return list(loader)
-
-    expected = batches(0, collate)
-    for batch in expected:
-        augment_batch(batch, seed=3, epoch=1, device=torch.device("cpu"))
-    for workers in (0, 2):
-        made = batches(workers, cls_augment.collate)
-        assert len(made) == len(expected) == 3
-        for batch, ref in zip(made, expected):
-            assert torch.equal(batch["indices"], ref["indices"])
-            assert torch.equal(batch["images"], ref["images"])
-            assert torch.equal(batch["targets"], ref["targets"])
-    halves = batches(0, cls_augment.collate, rank=1, world=2)
-    one = {int(i): image for b in expected for i, image in zip(b["indices"], b["images"])}
-    assert all(
-        torch.equal(one[int(i)], im) for b in halves for i, im in zip(b["indices"], b["images"])
-    )
 
 
 # ---------------------------------------------------------------- metrics

@@ -13,8 +13,6 @@ import torch
 from torch.nn.functional import grid_sample
 from torchvision.transforms.v2.functional import rgb_to_grayscale
 
-from . import datasets
-
 SCALE = (0.08, 1.0)
 RATIO = (3 / 4, 4 / 3)
 # the aspect ratio is drawn uniformly on a log scale
@@ -118,12 +116,3 @@ def augment_batch(batch, seed, epoch, device):
     keys = [(seed, epoch, index) for index in batch["indices"].tolist()]
     images = batch["images"].to(device, non_blocking=True)
     batch["images"] = augment(images, batch["shapes"], keys)
-
-
-def collate(samples):
-    """datasets.collate, then the images augmented on the CPU, each by the draw of its sample's
-    (seed, epoch, index) key: a CPU run's augmentation, made a batch at a time in the workers."""
-    batch = datasets.collate(samples)
-    keys = [sample["key"] for sample in samples]
-    batch["images"] = augment(batch["images"], batch["shapes"], keys)
-    return batch

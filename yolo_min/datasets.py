@@ -458,7 +458,6 @@ class ClassifyDataset(ImageFolder):
             path=self.samples[i][0],
             shape=shape,
             index=i,
-            key=key,
         )
 
 
@@ -515,18 +514,16 @@ def build_dataloader(
     seed=0,
     local_world_size=1,
     drop_single=False,
-    collate_fn=collate,
 ):
     """-> (DataLoader, sampler): shuffle: a seeded EpochSampler (call set_epoch), else batches.
-    drop_single: a shuffled epoch's last batch is dropped if it would hold a single image.
-    collate_fn: samples -> batch, run in the workers (collate, or cls_augment.collate)."""
+    drop_single: a shuffled epoch's last batch is dropped if it would hold a single image."""
     # the cores this process may run on, where the system says (Linux)
     cpus = os.cpu_count() or 1
     if hasattr(os, "sched_getaffinity"):
         cpus = len(os.sched_getaffinity(0))
     workers = min(workers, max(cpus // local_world_size, 1))
     kw = dict(
-        collate_fn=collate_fn,
+        collate_fn=collate,
         num_workers=workers,
         persistent_workers=workers > 0,
         worker_init_fn=yield_cpu,

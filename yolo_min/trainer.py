@@ -298,18 +298,12 @@ def build_loaders(args, hyp, model, data, info):
             f"use at least 2 images per rank, or --imgsz > {args.imgsz}"
         )
     ranks = dict(rank=info.rank, world_size=info.world_size, local_world_size=info.local_world_size)
-    # A CPU run's classifier batches are augmented in the workers, which run at the lowest
-    # priority and so fill the step's idle moments; a GPU augments them itself (train_one_epoch).
-    collate_fn = datasets.collate
-    if model.task == "classify" and info.device.type == "cpu":
-        collate_fn = cls_augment.collate
     loader, _ = build_dataloader(
         train,
         batch,
         workers=args.workers,
         seed=args.seed,
         drop_single=one_fails,
-        collate_fn=collate_fn,
         **ranks,
     )
     if loader.drop_last:
@@ -412,9 +406,11 @@ def train_one_epoch(training, setup, epoch, epoch_seconds=None):
     start = time.time()
     for i, batch in enumerate(setup.loader):
         iteration = i + batches * epoch
-        # A classifier's crops, flips and colours: drawn per image, made per batch on the GPU (a
-        # CPU run's workers have made them).
-        if de_parallel(model).task == "classify" and device.type != "cpu":
+        # A classifier's crops, flips and colours: drawn per image, made for the whole batch on
+        # the training device. A CPU does them here too: made in the workers, they slowed the
+        # step they compete with for the cores (bench/bench_train.py: 79-84% against 90-92% of
+        # the model-only rate at 64 px on 2 cores).
+        if de_parallel(model).task == "classify":
             cls_augment.augment_batch(batch, seed=args.seed, epoch=epoch, device=device)
         if detect and iteration <= warmup_iters:
             accumulate = warmup(
