@@ -22,7 +22,8 @@ with a Python that has yolov5's requirements; offline, yolov5 wants a font: any 
 writes labels/*.cache beside the images, and ../shared must stay unchanged.
 --cls-e2e: the same for classify, 10 epochs of shapes-cls at 64, batch 64, 2 workers: wall time and
 the last epoch's top-1 of each run; --yolov5 DIR adds yolov5's classify/train.py (yolov5n-cls from
-scratch) on a copy of the same ImageFolder.
+scratch) on a copy of the same ImageFolder; it augments only with albumentations installed
+(1.4.x: its RandomResizedCrop call), else it trains unaugmented with a warning.
 --ddp adds det at 320 under torchrun, 2 processes x 1 thread (1 worker each), against 1 x 2 threads.
 
     python bench/bench_train.py [--cases det320 seg320 det640 seg640 cls224 cls64] [--amp off auto]
