@@ -407,9 +407,8 @@ def train_one_epoch(training, setup, epoch, epoch_seconds=None):
     for i, batch in enumerate(setup.loader):
         iteration = i + batches * epoch
         # A classifier's crops, flips and colours: drawn per image, made for the whole batch on
-        # the training device. A CPU does them here too: made in the workers, they slowed the
-        # step they compete with for the cores (bench/bench_train.py: 79-84% against 90-92% of
-        # the model-only rate at 64 px on 2 cores).
+        # the training device. A CPU does them here too: made in the workers, they took the
+        # cores from the step (on 2 cores the 64 px loop ran about 7% slower; README).
         if de_parallel(model).task == "classify":
             cls_augment.augment_batch(batch, seed=args.seed, epoch=epoch, device=device)
         if detect and iteration <= warmup_iters:
