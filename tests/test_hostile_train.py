@@ -573,4 +573,25 @@ def test_a_second_process_is_refused_and_sigterm_to_the_group_is_one_line(tiny, 
     assert not (run / checkpoint.LOCK_FILE).exists()
     for name in ("weights/last.pt", "results.csv"):
         assert after[name] == before[name], name
+
+
+def test_a_worker_is_quiet_when_its_main_process_breaks_a_transfer_off():
+    """A data worker hands each batch's shared memory over a socket served by a thread; a main
+    process stopped mid-handshake breaks that connection, which the thread reports through
+    sys.excepthook: a worker prints nothing for it, and still prints any other error."""
+    script = """
+import socket, sys, time
+from multiprocessing import resource_sharer
+from yolo_min import datasets
+datasets.yield_cpu(0)
+resource_sharer.DupFd(0)
+client = socket.socket(socket.AF_UNIX)
+client.connect(resource_sharer._resource_sharer._address)
+client.close()
+time.sleep(1)
+sys.excepthook(ValueError, ValueError("any other error"), None)
+"""
+    p = subprocess.run([PY, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert p.stderr.splitlines() == ["ValueError: any other error"]
     checkpoint.release_locks()

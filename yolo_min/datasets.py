@@ -4,6 +4,7 @@ import math
 import os
 import random
 import signal
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -491,6 +492,12 @@ class EpochSampler(DistributedSampler):
         return ((self.seed, self.epoch, i) for i in super().__iter__())
 
 
+def quiet_lost_connection(kind, error, trace):
+    """A data worker's sys.excepthook: a connection its stopped main process broke is no error."""
+    if not isinstance(error, (EOFError, ConnectionError)):
+        sys.__excepthook__(kind, error, trace)
+
+
 def yield_cpu(worker_id):
     """Data workers at the lowest priority, quiet when the run is stopped (worker_init_fn)."""
     # Ctrl-C and `kill -TERM -pgid` (timeout, systemd, SLURM) reach the whole process group: the
@@ -498,6 +505,9 @@ def yield_cpu(worker_id):
     # by the signal (which the main process would report as a crashed worker)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(0))
+    # A main process stopped mid-transfer breaks the connection through which a worker hands it a
+    # batch's shared memory, and the worker's thread serving it would print that as a traceback.
+    sys.excepthook = quiet_lost_connection
     # where the cores are few, a worker preempting one of the step's OpenMP threads stalls them
     # all; at nice 19 workers fill the step's idle moments; Windows has no nice
     if hasattr(os, "nice"):
