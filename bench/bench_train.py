@@ -188,7 +188,8 @@ def one_case(task: str, imgsz: int, iters: int, amp: str = "off", rounds: int = 
 def layouts_case(task: str, imgsz: int, iters: int, rounds: int = 2) -> dict:
     """Model-only img/s of each of LAYOUTS (mean of `rounds`, interleaved): {"case", name: rate}."""
     with tempfile.TemporaryDirectory() as tmp:
-        setup = step_setup(task, imgsz, data_yaml(task, Path(tmp)), min(iters + 1, 8))
+        data = cls_folder(Path(tmp), imgsz) if task == "cls" else data_yaml(task, Path(tmp))
+        setup = step_setup(task, imgsz, data, min(iters + 1, 8))
         rates = {name: [] for name in LAYOUTS}
         for _ in range(rounds):
             for name, (amp, channels_last) in LAYOUTS.items():
