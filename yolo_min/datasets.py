@@ -426,7 +426,7 @@ class ClassifyDataset(ImageFolder):
             verbose=verbose,
         )
 
-    def make_dataset(self, directory, class_to_idx, extensions=None, is_valid_file=None, **kw):
+    def make_dataset(self, directory, class_to_idx, extensions, **kw):
         """(path, class) of the images under directory/<class>/: ImageFolder's, but each real file
         once and regular files only (see labels.Walk; ImageFolder follows links round a loop)."""
         # its counts are warned about once the split is verified
@@ -517,7 +517,7 @@ def yield_cpu(worker_id):
 def build_dataloader(
     dataset,
     batch_size,
-    workers=8,
+    workers,
     shuffle=True,
     rank=0,
     world_size=1,

@@ -219,7 +219,7 @@ def row_problem(line, values, nc):
     return None
 
 
-def parse_labels(text, where, nc=None):
+def parse_labels(text, where, nc):
     """Label file text -> Parsed: rows [(cls, [cx, cy, w, h], polygon (k,2))], msgs, dropped,
     fixed. Row: `cls cx cy w h` or `cls x1 y1 x2 y2 x3 y3 ...` (a polygon, its box its extent) in
     [0, 1]. A file with both has its box rows made rectangles: all rows or none have a polygon (else
@@ -390,7 +390,7 @@ def _load_or_build(files, nc, prefix, verbose):
     return data
 
 
-def load_labels(files, nc=None, prefix="", verbose=True):
+def load_labels(files, nc, prefix="", verbose=True):
     """Verified (cached) labels -> (usable files, label dicts, counts); label dict: cls (n,) int64,
     bboxes (n,4) float32 normalised xywh, segments [(k,2) float32 normalised], shape (h, w)."""
     data = _load_or_build(files, nc, prefix=prefix, verbose=verbose)

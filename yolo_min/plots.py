@@ -94,7 +94,7 @@ def finish_drawing():
         DRAWING.pop().join()
 
 
-def draw_detections(image, boxes, cls, conf=None, names=None, masks=None, width=1, labels=True):
+def draw_detections(image, boxes, cls, conf, names, masks=None, width=1, labels=True):
     """uint8 (3,H,W) image with bool masks (n,H,W) blended in and boxes (n,4) xyxy px drawn in the
     colours of classes cls, labelled "name conf" ("name" if conf is None, nothing unless labels)."""
     if not cls:
