@@ -16,7 +16,7 @@ from torchvision.transforms.v2.functional import rgb_to_grayscale
 SCALE = (0.08, 1.0)
 RATIO = (3 / 4, 4 / 3)
 # the aspect ratio is drawn uniformly on a log scale
-LOG_RATIO = (math.log(RATIO[0]), math.log(RATIO[1]))
+LOG_RATIO = tuple(map(math.log, RATIO))
 FLIP = 0.5
 JITTER = 0.4
 JITTER_P = 0.5

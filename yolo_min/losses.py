@@ -205,11 +205,13 @@ def mask_loss_fast(levels, protos, masks):
         protos.view(batch_size, num_masks, -1).unbind(0),
         logit_index.split(pairs_per_image),
     )
-    logits = []
-    for image_coefs, image_protos, index in per_image:
-        if len(index):
-            logits.append((image_coefs @ image_protos).view(-1)[index])
-    logits = torch.cat(logits)
+    logits = torch.cat(
+        [
+            (image_coefs @ image_protos).view(-1)[index]
+            for image_coefs, image_protos, index in per_image
+            if len(index)
+        ]
+    )
     in_mask = (masks.reshape(-1)[mask_index] == mask_value[pair_positive]).to(protos.dtype)
     per_pair = F.binary_cross_entropy_with_logits(logits, in_mask, reduction="none")
     # A positive's loss is the sum over its pairs / the map's pixels / the normalised box area.
