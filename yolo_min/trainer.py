@@ -37,14 +37,14 @@ NOMINAL_BATCH = 64
 # classify's recipe: no warmup, no accumulation; the others' is hyp.scratch-low
 HYP_FILES = {"classify": "hyp.cls.yaml"}
 # the options' defaults that depend on the task, unless given
-TASK_DEFAULTS = {"classify": dict(imgsz=224, batch_size=64, optimizer="Adam")}
-DEFAULTS = dict(imgsz=640, batch_size=16, optimizer="SGD")
+TASK_DEFAULTS = {"classify": {"imgsz": 224, "batch_size": 64, "optimizer": "Adam"}}
+DEFAULTS = {"imgsz": 640, "batch_size": 16, "optimizer": "SGD"}
 # trainings this process has started (a script may train more than once under one torchrun run)
 TRAININGS_STARTED = itertools.count()
-OPTIMIZERS = dict(SGD=optim.SGD, Adam=optim.Adam, AdamW=optim.AdamW, RMSProp=optim.RMSprop)
+OPTIMIZERS = {"SGD": optim.SGD, "Adam": optim.Adam, "AdamW": optim.AdamW, "RMSProp": optim.RMSprop}
 IMGSZ_RANGE = (32, 8192)
 # the least value of each numeric option (--batch-size: also a multiple of the world size)
-LEAST = dict(epochs=1, batch_size=1, log_every=1, workers=0, patience=0, seed=0)
+LEAST = {"epochs": 1, "batch_size": 1, "log_every": 1, "workers": 0, "patience": 0, "seed": 0}
 # each recipe key's valid range (both recipes' keys): "[" and "]" include a bound, "(" and ")" not
 HYP_RANGES = {
     "lr0": "(0, 1]",
@@ -269,17 +269,17 @@ def build_loaders(args, hyp, model, data, info):
     batch = args.batch_size // info.world_size
     stride = model.max_stride
     # --cache off: any value but auto and ram
-    shared = dict(
-        imgsz=args.imgsz,
-        verbose=info.rank == 0,
-        local_world_size=info.local_world_size,
-        cache=args.cache,
-    )
+    shared = {
+        "imgsz": args.imgsz,
+        "verbose": info.rank == 0,
+        "local_world_size": info.local_world_size,
+        "cache": args.cache,
+    }
     if model.task == "classify":
         train = ClassifyDataset(data["train"][0], augment=True, prefix="train: ", **shared)
         val = ClassifyDataset(data["val"][0], prefix="val: ", **shared)
     else:
-        shared |= dict(task=model.task, stride=stride, nc=data["nc"], hyp=hyp)
+        shared |= {"task": model.task, "stride": stride, "nc": data["nc"], "hyp": hyp}
         train = YOLODataset(
             data["train"], augment=True, batch_size=batch, prefix="train: ", **shared
         )
@@ -297,7 +297,11 @@ def build_loaders(args, hyp, model, data, info):
             f"{given} at --imgsz {args.imgsz}: {ONE_IMAGE}; "
             f"use at least 2 images per rank, or --imgsz > {args.imgsz}"
         )
-    ranks = dict(rank=info.rank, world_size=info.world_size, local_world_size=info.local_world_size)
+    ranks = {
+        "rank": info.rank,
+        "world_size": info.world_size,
+        "local_world_size": info.local_world_size,
+    }
     loader, _ = build_dataloader(
         train,
         batch,
@@ -327,16 +331,16 @@ def build_optimizer(model, lr, momentum, decay, name="SGD"):
             else:
                 weights.append(p)
     groups = [
-        dict(params=biases, initial_lr=lr, bias=True, weight_decay=0.0),
-        dict(params=norm_weights, initial_lr=lr, bias=False, weight_decay=0.0),
-        dict(params=weights, initial_lr=lr, bias=False, weight_decay=decay),
+        {"params": biases, "initial_lr": lr, "bias": True, "weight_decay": 0.0},
+        {"params": norm_weights, "initial_lr": lr, "bias": False, "weight_decay": 0.0},
+        {"params": weights, "initial_lr": lr, "bias": False, "weight_decay": decay},
     ]
     if "Adam" in name:
-        settings = dict(betas=(momentum, 0.999))
+        settings = {"betas": (momentum, 0.999)}
     elif name == "SGD":
-        settings = dict(momentum=momentum, nesterov=True)
+        settings = {"momentum": momentum, "nesterov": True}
     else:
-        settings = dict(momentum=momentum)
+        settings = {"momentum": momentum}
     return OPTIMIZERS[name](groups, lr=lr, **settings)
 
 
@@ -734,15 +738,15 @@ def fit(args, info, given=None, callbacks=None):
     trained = de_parallel(training.model).to(memory_format=torch.contiguous_format).eval()
     trained.load_state_dict(ema.state_dict())
     run_callbacks(callbacks, event._replace(name="on_train_end", epoch=epoch + 1, metrics=metrics))
-    return dict(
-        save_dir=str(setup.save_dir),
-        data=args.data,
-        epochs=epoch + 1,
-        best_fitness=best.fitness,
-        metrics=metrics,
-        img_s=img_s,
-        model=trained,
-    )
+    return {
+        "save_dir": str(setup.save_dir),
+        "data": args.data,
+        "epochs": epoch + 1,
+        "best_fitness": best.fitness,
+        "metrics": metrics,
+        "img_s": img_s,
+        "model": trained,
+    }
 
 
 def start_training(setup, info):
