@@ -333,8 +333,7 @@ class YOLOLoss:
         found = []
         for level, level_map in enumerate(maps):
             positives = self._assign(level, targets, *level_map.shape[2:4])
-            cells = level_map.shape[:4]
-            obj_target = torch.zeros(cells, dtype=level_map.dtype, device=device)
+            obj_target = torch.zeros_like(level_map[..., 4])
             if len(positives.image):
                 pred = level_map[positives.cells]
                 pred_box = self._pred_boxes(pred, positives.anchor_wh)
@@ -346,14 +345,15 @@ class YOLOLoss:
                     classes = targets[positives.target, 1]
                     cls_loss += self._class_loss(pred[:, 5 : 5 + self.nc], classes)
                 if self.nm:
-                    mask_positives = MaskPositives(
-                        group=level * batch_size + positives.image,
-                        image=positives.image,
-                        coefs=pred[:, 5 + self.nc :],
-                        mask_value=target_mask_values[positives.target],
-                        box=positives.box_normalised,
+                    found.append(
+                        MaskPositives(
+                            group=level * batch_size + positives.image,
+                            image=positives.image,
+                            coefs=pred[:, 5 + self.nc :],
+                            mask_value=target_mask_values[positives.target],
+                            box=positives.box_normalised,
+                        )
                     )
-                    found.append(mask_positives)
             obj_loss += self._bce(level_map[..., 4], obj_target, self.obj_pw) * self.balance[level]
         if found:
             seg_loss += self.mask_loss(found, protos, masks) * self.hyp["box"] / batch_size
