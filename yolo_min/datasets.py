@@ -303,8 +303,9 @@ class YOLODataset(Dataset):
                 if random.random() < self.hyp[flip]:
                     image = image.flip(2 - axis)
                     boxes[:, [axis, axis + 2]] = out[axis] - boxes[:, [axis + 2, axis]]
-                    for polygon in [p for p in polys if p is not None]:
-                        polygon[:, axis] = out[axis] - polygon[:, axis]
+                    for polygon in polys:
+                        if polygon is not None:
+                            polygon[:, axis] = out[axis] - polygon[:, axis]
         else:
             # the label file's boxes and polygons, exactly letterboxed: normalised -> input pixels
             to_pixels = np.array(label["shape"][::-1] * 2) * first.r

@@ -391,8 +391,7 @@ class YOLOLoss:
     def _class_loss(self, logits, classes):
         """BCE of the positives' class logits (n, nc) against their classes (n,), smoothed."""
         target = torch.full_like(logits, self.class_negative)
-        positives = torch.arange(len(logits), device=logits.device)
-        target[positives, classes.long()] = self.class_positive
+        target.scatter_(1, classes.long()[:, None], self.class_positive)
         return self._bce(logits, target, self.cls_pw)
 
 
