@@ -333,7 +333,7 @@ class YOLOLoss:
         found = []
         for level, level_map in enumerate(maps):
             positives = self._assign(level, targets, *level_map.shape[2:4])
-            obj_target = torch.zeros_like(level_map[..., 4])
+            obj_target = torch.zeros(level_map.shape[:4], dtype=level_map.dtype, device=device)
             if len(positives.image):
                 pred = level_map[positives.cells]
                 pred_box = self._pred_boxes(pred, positives.anchor_wh)
