@@ -473,4 +473,4 @@ class ModelEMA:
         state = de_parallel(model).state_dict()
         for name, value in self.ema.state_dict().items():
             if value.dtype.is_floating_point:
-                value.lerp_(state[name].detach(), 1 - decay)
+                value.lerp_(state[name], 1 - decay)

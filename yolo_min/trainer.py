@@ -109,7 +109,7 @@ def get_args_parser():
     add("--epochs", type=int, default=100)
     add("--batch-size", type=int, help="global, split over the ranks (16; classify 64)")
     add("--imgsz", type=int, help="train and val image size (640; classify 224)")
-    add("--optimizer", choices=list(OPTIMIZERS), help="SGD (classify: Adam)")
+    add("--optimizer", choices=OPTIMIZERS, help="SGD (classify: Adam)")
     add("--device", default="", help="cpu, cuda or a GPU index")
     add("--amp", choices=["auto", "on", "off"], default="auto", help=validator.AMP_HELP)
     add("--workers", type=int, default=8, help="dataloader workers per rank")
@@ -118,15 +118,22 @@ def get_args_parser():
     add("--exist-ok", action="store_true", help="reuse project/name")
     add("--resume", nargs="?", const=True, default=False, help="a last.pt, or newest")
     add("--freeze", nargs="+", type=int, default=[0], help="first N, or listed layers")
-    add("--cos-lr", action="store_true", help="cosine lr schedule, not linear")
-    add("--sync-bn", action="store_true", help="SyncBatchNorm across GPUs")
+    validator.add_switches(
+        parser,
+        {"--cos-lr": "cosine lr schedule, not linear", "--sync-bn": "SyncBatchNorm across GPUs"},
+    )
     add("--patience", type=int, default=100, help="epochs without improvement")
     add("--seed", type=int, default=0)
     add("--cache", choices=["auto", "ram", "off"], default="auto", help="images in RAM")
     add("--log-every", type=int, default=10, help="a progress line every N batches")
-    add("--noautoanchor", action="store_true")
-    add("--noval", action="store_true", help="validate the final epoch only")
-    add("--nosave", action="store_true", help="save the final checkpoint only")
+    validator.add_switches(
+        parser,
+        {
+            "--noautoanchor": None,
+            "--noval": "validate the final epoch only",
+            "--nosave": "save the final checkpoint only",
+        },
+    )
     return parser
 
 
