@@ -226,7 +226,7 @@ def release_locks():
     """Remove the lock files this process took (a run's end, error or stop)."""
     mine = f"{os.getpid()}\n{socket.gethostname()}\n"
     for lock in list(HELD_LOCKS):
-        HELD_LOCKS.pop(lock, None)
+        HELD_LOCKS.pop(lock)
         # None: not a small file (gone, ...)
         if (_read_small(lock) or "").startswith(mine):
             lock.unlink(missing_ok=True)

@@ -250,7 +250,7 @@ class YOLOLoss:
         self.cls_pw = torch.tensor([hyp["cls_pw"]], device=device)
         self.obj_pw = torch.tensor([hyp["obj_pw"]], device=device)
         # Label smoothing moves the class targets of positives and negatives towards 0.5.
-        smoothing = hyp.get("label_smoothing", 0.0)
+        smoothing = hyp["label_smoothing"]
         self.class_positive = 1.0 - 0.5 * smoothing
         self.class_negative = 0.5 * smoothing
         # mask_loss_fast, equal to the plain mask_loss, ~3.5x faster (see its docstring).
@@ -261,7 +261,7 @@ class YOLOLoss:
         loss = F.binary_cross_entropy_with_logits(
             logits, target, pos_weight=pos_weight, reduction="none"
         )
-        gamma = self.hyp.get("fl_gamma", 0.0)
+        gamma = self.hyp["fl_gamma"]
         if gamma > 0:
             prob = logits.sigmoid()
             prob_true = target * prob + (1 - target) * (1 - prob)

@@ -26,7 +26,7 @@ from . import checkpoint, cls_augment, datasets, dist, safe_load, validator
 from .anchors import check_anchors
 from .cli import ConfigError, parse_kwargs
 from .datasets import ClassifyDataset, YOLODataset, build_dataloader
-from .files import read_yaml
+from .files import first_line, read_yaml
 from .losses import ClassifyLoss, YOLOLoss, scale_hyp
 from .metrics import KINDS, metric_names
 from .models import CFG_DIR, Model, ModelEMA, amp_dtype, de_parallel
@@ -579,7 +579,7 @@ def prepare(args, info, given=None):
             dist.run_on_main(checkpoint.restore_results, ckpt, save_dir)
     # DataError and CheckpointError are ValueErrors
     except (ValueError, OSError, RuntimeError, yaml.YAMLError) as e:
-        raise ConfigError(str(e).splitlines()[0]) from None
+        raise ConfigError(first_line(e)) from None
     return Setup(
         args=args,
         ckpt=ckpt,
