@@ -285,8 +285,7 @@ class YOLOLoss:
         near = (distances % 1 < 0.5) & (distances > 1)
         # use (5, n) marks the cells a pair is assigned to: its own, and the neighbours near its
         # centre.
-        own = torch.ones_like(near[:, :1])
-        use = torch.cat((own, near), 1).T
+        use = F.pad(near, (1, 0), value=True).T
         offset, pair = use.nonzero(as_tuple=True)
         anchor = anchor[pair]
         target = target[pair]
