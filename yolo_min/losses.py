@@ -378,9 +378,8 @@ class YOLOLoss:
         # Several positives may share a cell: the last in assignment order wins (what yolov5's
         # index assignment does), made explicit here so that it is deterministic on every device:
         # all of them write the last one's IoU.
-        _, num_anchors, ny, nx = obj_target.shape
-        cell = (positives.image * num_anchors + positives.anchor) * ny + positives.grid_y
-        cell = cell * nx + positives.grid_x
+        # Each positive's flat index into the (contiguous) obj_target.
+        cell = sum(index * stride for index, stride in zip(positives.cells, obj_target.stride()))
         order = torch.arange(len(cell), device=cell.device)
         last = cell.new_full((obj_target.numel(),), -1)
         last.scatter_reduce_(0, cell, order, "amax")
