@@ -139,7 +139,7 @@ def mask_loss(levels, protos, masks):
             target_mask = (masks[image] == value).float()
             bce = F.binary_cross_entropy_with_logits(logits, target_mask, reduction="none")
             # A pixel is in the box when x1 <= column < x2 and y1 <= row < y2, in mask pixels.
-            pixel_box = xywh2xyxy(box * box.new_tensor([mask_w, mask_h, mask_w, mask_h]))
+            pixel_box = xywh2xyxy(box * box.new_tensor([mask_w, mask_h] * 2))
             x1, y1, x2, y2 = pixel_box.view(-1, 4, 1, 1).unbind(1)
             in_columns = (cols >= x1) & (cols < x2)
             in_rows = (rows >= y1) & (rows < y2)
@@ -176,7 +176,7 @@ def mask_loss_fast(levels, protos, masks):
     group, image, coefs, mask_value, box = (field[order] for field in joined)
     # The box in mask pixels. Column c is in it iff x1 <= c < x2, that is iff
     # ceil(x1) <= c < ceil(x2), with x1 = x - w / 2; likewise the rows.
-    pixel_scale = box.new_tensor([mask_w, mask_h, mask_w, mask_h])
+    pixel_scale = box.new_tensor([mask_w, mask_h] * 2)
     corners = xywh2xyxy(box * pixel_scale).ceil()
     col_start, row_start, col_end, row_end = corners.clamp(min=0).minimum(pixel_scale).long().T
     box_w = (col_end - col_start).clamp(min=0)
@@ -273,7 +273,7 @@ class YOLOLoss:
         """The positives of `level`, whose maps are ny x nx cells; targets (N, 6) as __call__'s."""
         # The level's anchors (na, 2) are in grid units, as are the boxes below.
         anchors = self.head.anchors[level].to(targets.device)
-        gain = targets.new_tensor([nx, ny, nx, ny])
+        gain = targets.new_tensor([nx, ny] * 2)
         grid_xywh = targets[:, 2:6] * gain
         # An (anchor, target) pair is kept when neither w nor h differ by more than anchor_t.
         ratio = grid_xywh[None, :, 2:4] / anchors[:, None]
