@@ -276,7 +276,7 @@ class YOLOLoss:
         gain = targets.new_tensor([nx, ny] * 2)
         grid_xywh = targets[:, 2:6] * gain
         # An (anchor, target) pair is kept when neither w nor h differ by more than anchor_t.
-        ratio = grid_xywh[None, :, 2:4] / anchors[:, None]
+        ratio = grid_xywh[:, 2:4] / anchors[:, None]
         kept = torch.max(ratio, 1 / ratio).amax(2) < self.hyp["anchor_t"]
         anchor, target = kept.nonzero(as_tuple=True)
         xy = grid_xywh[target, :2]

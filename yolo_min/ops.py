@@ -245,7 +245,7 @@ def mask_iou(a, b):
     inter = (a @ b.T).double()
     area_a = a.sum(1).double()
     area_b = b.sum(1).double()
-    union = area_a[:, None] + area_b[None] - inter
+    union = area_a[:, None] + area_b - inter
     # 0 where both are empty
     return inter / union.clamp(min=1)
 
