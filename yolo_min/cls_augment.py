@@ -91,7 +91,7 @@ def crop_grid(boxes, flips, side):
     xs = torch.lerp(x0, x1, steps)
     ys = torch.lerp(y0, y1, steps)
     xs = torch.where(flips[:, None], xs.flip(-1), xs)
-    grid_x, grid_y = torch.broadcast_tensors(xs[:, None, :], ys[:, :, None])
+    grid_x, grid_y = torch.broadcast_tensors(xs[:, None], ys[:, :, None])
     return torch.stack([grid_x, grid_y], dim=-1)
 
 

@@ -320,7 +320,7 @@ class YOLOLoss:
                 f"YOLOLoss: targets must be (N, 6) [img, cls, xywh], not {tuple(targets.shape)}"
             )
         device = maps[0].device
-        batch_size = maps[0].shape[0]
+        batch_size = len(maps[0])
         targets = targets.to(device=device, dtype=torch.float32)
         box_loss = torch.zeros(1, device=device)
         obj_loss = torch.zeros(1, device=device)
