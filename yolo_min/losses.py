@@ -127,7 +127,7 @@ def mask_loss(levels, protos, masks):
     levels: MaskPositives per level with positives; protos: (bs, nm, mh, mw); masks: (bs, mh, mw)
     overlap index maps (see mask_values)."""
     _, _, mask_h, mask_w = protos.shape
-    rows = torch.arange(mask_h, device=protos.device).view(-1, 1)
+    rows = torch.arange(mask_h, device=protos.device)[:, None]
     cols = torch.arange(mask_w, device=protos.device)
     total = protos.new_zeros(())
     for level in levels:
@@ -140,7 +140,7 @@ def mask_loss(levels, protos, masks):
             bce = F.binary_cross_entropy_with_logits(logits, target_mask, reduction="none")
             # A pixel is in the box when x1 <= column < x2 and y1 <= row < y2, in mask pixels.
             pixel_box = xywh2xyxy(box * box.new_tensor([mask_w, mask_h] * 2))
-            x1, y1, x2, y2 = pixel_box.view(-1, 4, 1, 1).unbind(1)
+            x1, y1, x2, y2 = pixel_box.T[..., None, None]
             in_columns = (cols >= x1) & (cols < x2)
             in_rows = (rows >= y1) & (rows < y2)
             per_positive = (bce * (in_columns & in_rows)).mean((1, 2))
