@@ -46,11 +46,11 @@ def fitness(anchors, wh, threshold):
     return float((best * (best > 1 / threshold)).mean())
 
 
-def kmeans(points, k, rng, iters=30):
-    """k centres of the rows of points (m, d): k of its rows at random, then `iters` Lloyd steps."""
+def kmeans(points, k, rng):
+    """k centres of the rows of points (m, d): k of its rows at random, then 30 Lloyd steps."""
     # scipy's kmeans, which yolov5 calls, starts from k random rows too.
     centres = points[rng.choice(len(points), k, replace=False)]
-    for _ in range(iters):
+    for _ in range(30):
         distances = ((points[:, None] - centres) ** 2).sum(2)
         nearest = distances.argmin(1)
         # A centre that no point is nearest to stays where it is.
@@ -59,7 +59,7 @@ def kmeans(points, k, rng, iters=30):
     return centres
 
 
-def fit_anchors(wh, num_anchors=9, threshold=4.0, gens=1000, seed=0):
+def fit_anchors(wh, num_anchors, threshold, gens=1000, seed=0):
     """Anchors (num_anchors, 2) for the label sizes wh (m, 2), in pixels, sorted by area."""
     # k-means on the sizes scaled by their standard deviation, then `gens` generations of random
     # multiplicative mutations, each kept when it improves the fitness.
@@ -87,7 +87,7 @@ def fit_anchors(wh, num_anchors=9, threshold=4.0, gens=1000, seed=0):
     return anchors[np.argsort(anchors.prod(1))].astype(np.float32)
 
 
-def check_anchors(labels, anchors, threshold=4.0, imgsz=640, seed=0):
+def check_anchors(labels, anchors, threshold, imgsz, seed):
     """Print the BPR of `anchors` (n, 2) on the labels; below 0.98 return better ones, else None."""
     wh = label_wh(labels, imgsz, np.random.default_rng(seed))
     if not len(wh):

@@ -152,7 +152,7 @@ def resample(polys):
     count = sizes[:, None]
     # NPTS positions from vertex 0 to vertex count (vertex 0 again), and the vertices around each.
     steps = np.linspace(0, 1, NPTS, dtype=np.float32)
-    position = steps[None] * count
+    position = steps * count
     vertex = np.minimum(position.astype(np.int64), count - 1)
     following = (vertex + 1) % count
     weight = (position - vertex)[..., None]

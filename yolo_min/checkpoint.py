@@ -226,7 +226,7 @@ def release_locks():
     """Remove the lock files this process took (a run's end, error or stop)."""
     mine = f"{os.getpid()}\n{socket.gethostname()}\n"
     for lock in list(HELD_LOCKS):
-        HELD_LOCKS.pop(lock, None)
+        HELD_LOCKS.pop(lock)
         # None: not a small file (gone, ...)
         if (_read_small(lock) or "").startswith(mine):
             lock.unlink(missing_ok=True)
@@ -260,29 +260,29 @@ def set_rng_state(state):
 def model_state(model):
     """What val.py, predict.py and YOLO(path) load: the model's cfg, names, task and weights (on
     the CPU)."""
-    return dict(
-        model_cfg=model.yaml,
-        names=list(model.names),
-        task=model.task,
-        model=cpu_state(model.state_dict()),
-    )
+    return {
+        "model_cfg": model.yaml,
+        "names": list(model.names),
+        "task": model.task,
+        "model": cpu_state(model.state_dict()),
+    }
 
 
 def training_state(model, ema, optimizer, scaler, epoch, best, args, hyp, rngs):
     """All a run needs to continue; epoch: the last finished (0-based), best: (fitness, epoch)."""
     # tensors on the CPU: a file written on a GPU loads anywhere with torch.load
-    return model_state(model) | dict(
-        ema=cpu_state(ema.ema.state_dict()),
-        optimizer=cpu_state(optimizer.state_dict()),
-        scaler=scaler.state_dict(),
-        ema_updates=ema.updates,
-        epoch=epoch,
-        best_fitness=best[0],
-        best_epoch=best[1],
-        args=vars(args),
-        hyp=hyp,
-        rng=dict(world_size=len(rngs), ranks=rngs),
-    )
+    return model_state(model) | {
+        "ema": cpu_state(ema.ema.state_dict()),
+        "optimizer": cpu_state(optimizer.state_dict()),
+        "scaler": scaler.state_dict(),
+        "ema_updates": ema.updates,
+        "epoch": epoch,
+        "best_fitness": best[0],
+        "best_epoch": best[1],
+        "args": vars(args),
+        "hyp": hyp,
+        "rng": {"world_size": len(rngs), "ranks": rngs},
+    }
 
 
 def cpu_state(state):
@@ -372,7 +372,7 @@ def signals_held():
 
 # what `training_state` saves, by type: a file to --resume from must hold these
 RESUME_TYPES = dict.fromkeys("model_cfg model ema optimizer scaler args hyp rng".split(), dict)
-RESUME_TYPES |= dict(epoch=int, best_epoch=int, ema_updates=int, best_fitness=(int, float))
+RESUME_TYPES |= {"epoch": int, "best_epoch": int, "ema_updates": int, "best_fitness": (int, float)}
 
 
 def load(path):

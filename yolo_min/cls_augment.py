@@ -16,7 +16,7 @@ from torchvision.transforms.v2.functional import rgb_to_grayscale
 SCALE = (0.08, 1.0)
 RATIO = (3 / 4, 4 / 3)
 # the aspect ratio is drawn uniformly on a log scale
-LOG_RATIO = (math.log(RATIO[0]), math.log(RATIO[1]))
+LOG_RATIO = tuple(map(math.log, RATIO))
 FLIP = 0.5
 JITTER = 0.4
 JITTER_P = 0.5
@@ -91,7 +91,7 @@ def crop_grid(boxes, flips, side):
     xs = torch.lerp(x0, x1, steps)
     ys = torch.lerp(y0, y1, steps)
     xs = torch.where(flips[:, None], xs.flip(-1), xs)
-    grid_x, grid_y = torch.broadcast_tensors(xs[:, None, :], ys[:, :, None])
+    grid_x, grid_y = torch.broadcast_tensors(xs[:, None], ys[:, :, None])
     return torch.stack([grid_x, grid_y], dim=-1)
 
 

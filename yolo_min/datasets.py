@@ -71,7 +71,7 @@ def load_data_config(path):
     names = list(map(str, names))
     # absolute: relative to the yaml's folder
     root = os.path.normpath(config.parent / str(cfg.get("path") or "."))
-    data = dict(yaml_file=str(config), path=root, names=names, nc=len(names))
+    data = {"yaml_file": str(config), "path": root, "names": names, "nc": len(names)}
     for split in ("train", "val"):
         sources = cfg[split]
         if not isinstance(sources, list):
@@ -102,13 +102,13 @@ def load_folder_data(root):
     if names != val_names:
         diff = ", ".join(sorted(set(names) ^ set(val_names))[:5])
         raise DataError(f"{val}: class folders differ from train/'s (not in both: {diff})")
-    return dict(
-        path=str(root),
-        names=names,
-        nc=len(names),
-        train=[str(train)],
-        val=[str(val)],
-    )
+    return {
+        "path": str(root),
+        "names": names,
+        "nc": len(names),
+        "train": [str(train)],
+        "val": [str(val)],
+    }
 
 
 def available_memory():
@@ -303,8 +303,9 @@ class YOLODataset(Dataset):
                 if random.random() < self.hyp[flip]:
                     image = image.flip(2 - axis)
                     boxes[:, [axis, axis + 2]] = out[axis] - boxes[:, [axis + 2, axis]]
-                    for polygon in [p for p in polys if p is not None]:
-                        polygon[:, axis] = out[axis] - polygon[:, axis]
+                    for polygon in polys:
+                        if polygon is not None:
+                            polygon[:, axis] = out[axis] - polygon[:, axis]
         else:
             # the label file's boxes and polygons, exactly letterboxed: normalised -> input pixels
             to_pixels = np.array(label["shape"][::-1] * 2) * first.r
@@ -317,14 +318,14 @@ class YOLODataset(Dataset):
         masks = None
         if self.task == "segment":
             masks = overlap_mask(polys, boxes, out[::-1])
-        return dict(
-            image=image,
-            targets=torch.from_numpy(rows).float(),
-            masks=masks,
-            path=self.im_files[i],
-            shape=(label["shape"], ((first.r, first.r), pad)),
-            index=i,
-        )
+        return {
+            "image": image,
+            "targets": torch.from_numpy(rows).float(),
+            "masks": masks,
+            "path": self.im_files[i],
+            "shape": (label["shape"], ((first.r, first.r), pad)),
+            "index": i,
+        }
 
     def ground_truth(self, i):
         """Labels of image i in ORIGINAL pixels: cls (n,) int64, boxes (n,4) xyxy float32, polygons
@@ -336,7 +337,7 @@ class YOLODataset(Dataset):
         if not polygons and self.task == "segment":
             polygons = box_corners(xywh2xyxy(label["bboxes"]))
         polygons = [s * wh for s in polygons]
-        return dict(cls=torch.from_numpy(label["cls"]), boxes=boxes, polygons=polygons)
+        return {"cls": torch.from_numpy(label["cls"]), "boxes": boxes, "polygons": polygons}
 
 
 def to_rgb8(image):
@@ -408,7 +409,7 @@ class ClassifyDataset(ImageFolder):
         self.samples = [s for s, c in zip(self.samples, checks) if c.status != CORRUPT]
         self.imgs = self.samples
         self.targets = [k for _, k in self.samples]
-        self.stats = dict(images=len(checks), corrupt=len(checks) - len(self.samples))
+        self.stats = {"images": len(checks), "corrupt": len(checks) - len(self.samples)}
         if verbose:
             self.walk.warn(prefix)
             for m in [m for c in checks for m in c.msgs][:MAX_WARNINGS]:
@@ -426,7 +427,7 @@ class ClassifyDataset(ImageFolder):
             verbose=verbose,
         )
 
-    def make_dataset(self, directory, class_to_idx, extensions=None, is_valid_file=None, **kw):
+    def make_dataset(self, directory, class_to_idx, extensions, **kw):
         """(path, class) of the images under directory/<class>/: ImageFolder's, but each real file
         once and regular files only (see labels.Walk; ImageFolder follows links round a loop)."""
         # its counts are warned about once the split is verified
@@ -452,14 +453,14 @@ class ClassifyDataset(ImageFolder):
         trainer augments batches, cls_augment)."""
         i = key[2] if isinstance(key, tuple) else key
         image, shape = self._ram[i] if self._ram else self.load(i)
-        return dict(
-            image=image,
-            targets=torch.tensor([[self.targets[i]]]),
-            masks=None,
-            path=self.samples[i][0],
-            shape=shape,
-            index=i,
-        )
+        return {
+            "image": image,
+            "targets": torch.tensor([[self.targets[i]]]),
+            "masks": None,
+            "path": self.samples[i][0],
+            "shape": shape,
+            "index": i,
+        }
 
 
 def collate(samples):
@@ -470,13 +471,13 @@ def collate(samples):
     masks = None
     if samples[0]["masks"] is not None:
         masks = torch.stack([s["masks"] for s in samples]).float()
-    return dict(
-        images=torch.stack([s["image"] for s in samples]),
-        targets=torch.cat(rows),
-        masks=masks,
-        indices=torch.tensor([s["index"] for s in samples]),
-        shapes=[s["shape"] for s in samples],
-    )
+    return {
+        "images": torch.stack([s["image"] for s in samples]),
+        "targets": torch.cat(rows),
+        "masks": masks,
+        "indices": torch.tensor([s["index"] for s in samples]),
+        "shapes": [s["shape"] for s in samples],
+    }
 
 
 def shard_batches(n, batch_size, rank, world_size):
@@ -517,7 +518,7 @@ def yield_cpu(worker_id):
 def build_dataloader(
     dataset,
     batch_size,
-    workers=8,
+    workers,
     shuffle=True,
     rank=0,
     world_size=1,
@@ -532,13 +533,13 @@ def build_dataloader(
     if hasattr(os, "sched_getaffinity"):
         cpus = len(os.sched_getaffinity(0))
     workers = min(workers, max(cpus // local_world_size, 1))
-    kw = dict(
-        collate_fn=collate,
-        num_workers=workers,
-        persistent_workers=workers > 0,
-        worker_init_fn=yield_cpu,
-        pin_memory=torch.cuda.is_available(),
-    )
+    kw = {
+        "collate_fn": collate,
+        "num_workers": workers,
+        "persistent_workers": workers > 0,
+        "worker_init_fn": yield_cpu,
+        "pin_memory": torch.cuda.is_available(),
+    }
     if shuffle:
         sampler = EpochSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed)
         # only a last batch of one image, and never the only batch: the rest of the recipe stays

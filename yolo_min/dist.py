@@ -99,7 +99,11 @@ def setup(device):
         # keeps one store across restarts and across the groups a script makes one after another
         # (YOLO.train, then .val). A key prefix per attempt and group stops a new group from
         # reading the addresses of an old one (pytorch/pytorch#135712).
-        options = dict(rank=rank, world_size=world_size, timeout=datetime.timedelta(minutes=10))
+        options = {
+            "rank": rank,
+            "world_size": world_size,
+            "timeout": datetime.timedelta(minutes=10),
+        }
         # A TCPStore with this timeout.
         store, _, _ = next(dist.rendezvous("env://", **options))
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")

@@ -219,7 +219,7 @@ def row_problem(line, values, nc):
     return None
 
 
-def parse_labels(text, where, nc=None):
+def parse_labels(text, where, nc):
     """Label file text -> Parsed: rows [(cls, [cx, cy, w, h], polygon (k,2))], msgs, dropped,
     fixed. Row: `cls cx cy w h` or `cls x1 y1 x2 y2 x3 y3 ...` (a polygon, its box its extent) in
     [0, 1]. A file with both has its box rows made rectangles: all rows or none have a polygon (else
@@ -363,19 +363,19 @@ def _load_or_build(files, nc, prefix, verbose):
     ]
     boxes = np.array([box for _, box, _ in rows], np.float32).reshape(-1, 4)
     points = np.concatenate([*polygons, np.zeros((0, 2))]).astype(np.float32)
-    data = dict(
-        status=status,
-        shapes=shapes,
-        nrows=[len(per_file) for per_file in file_rows],
-        cls=torch.tensor([cls for cls, _, _ in rows], dtype=torch.int64),
-        boxes=torch.from_numpy(boxes),
-        npts=[len(p) for p in polygons],
-        pts=torch.from_numpy(points),
-        msgs=msgs,
-        dropped=sum(dropped),
-        fixed=sum(fixed),
-        key=key,
-    )
+    data = {
+        "status": status,
+        "shapes": shapes,
+        "nrows": [len(per_file) for per_file in file_rows],
+        "cls": torch.tensor([cls for cls, _, _ in rows], dtype=torch.int64),
+        "boxes": torch.from_numpy(boxes),
+        "npts": [len(p) for p in polygons],
+        "pts": torch.from_numpy(points),
+        "msgs": msgs,
+        "dropped": sum(dropped),
+        "fixed": sum(fixed),
+        "key": key,
+    }
     try:
         # root ignores permission bits; a folder marked read-only is respected
         writable = os.access(path.parent, os.W_OK) and path.parent.stat().st_mode & 0o222
@@ -390,7 +390,7 @@ def _load_or_build(files, nc, prefix, verbose):
     return data
 
 
-def load_labels(files, nc=None, prefix="", verbose=True):
+def load_labels(files, nc, prefix="", verbose=True):
     """Verified (cached) labels -> (usable files, label dicts, counts); label dict: cls (n,) int64,
     bboxes (n,4) float32 normalised xywh, segments [(k,2) float32 normalised], shape (h, w)."""
     data = _load_or_build(files, nc, prefix=prefix, verbose=verbose)
@@ -406,25 +406,25 @@ def load_labels(files, nc=None, prefix="", verbose=True):
         rows = slice(starts[i], starts[i + 1])
         keep.append(files[i])
         labels.append(
-            dict(
-                cls=cls[rows],
-                bboxes=boxes[rows],
-                segments=[p for p in polygons[rows] if len(p)],
-                shape=data["shapes"][i],
-            )
+            {
+                "cls": cls[rows],
+                "bboxes": boxes[rows],
+                "segments": [p for p in polygons[rows] if len(p)],
+                "shape": data["shapes"][i],
+            }
         )
     msgs = data["msgs"]
     # how many files have each status, in the order of their values
     counts = np.bincount(data["status"], minlength=4).tolist()
-    stats = dict(
-        images=len(files),
+    stats = {
+        "images": len(files),
         **dict(zip(["found", "missing", "empty", "corrupt"], counts)),
         # every row, as corrupt files have none
-        instances=len(cls),
-        dropped=data["dropped"],
-        fixed=data["fixed"],
-        warnings=len(msgs),
-    )
+        "instances": len(cls),
+        "dropped": data["dropped"],
+        "fixed": data["fixed"],
+        "warnings": len(msgs),
+    }
     if verbose:
         shown = msgs[:MAX_WARNINGS]
         if len(msgs) > MAX_WARNINGS:

@@ -127,7 +127,7 @@ def mask_loss(levels, protos, masks):
     levels: MaskPositives per level with positives; protos: (bs, nm, mh, mw); masks: (bs, mh, mw)
     overlap index maps (see mask_values)."""
     _, _, mask_h, mask_w = protos.shape
-    rows = torch.arange(mask_h, device=protos.device).view(-1, 1)
+    rows = torch.arange(mask_h, device=protos.device)[:, None]
     cols = torch.arange(mask_w, device=protos.device)
     total = protos.new_zeros(())
     for level in levels:
@@ -139,8 +139,8 @@ def mask_loss(levels, protos, masks):
             target_mask = (masks[image] == value).float()
             bce = F.binary_cross_entropy_with_logits(logits, target_mask, reduction="none")
             # A pixel is in the box when x1 <= column < x2 and y1 <= row < y2, in mask pixels.
-            pixel_box = xywh2xyxy(box * box.new_tensor([mask_w, mask_h, mask_w, mask_h]))
-            x1, y1, x2, y2 = pixel_box.view(-1, 4, 1, 1).unbind(1)
+            pixel_box = xywh2xyxy(box * box.new_tensor([mask_w, mask_h] * 2))
+            x1, y1, x2, y2 = pixel_box.T[..., None, None]
             in_columns = (cols >= x1) & (cols < x2)
             in_rows = (rows >= y1) & (rows < y2)
             per_positive = (bce * (in_columns & in_rows)).mean((1, 2))
@@ -176,7 +176,7 @@ def mask_loss_fast(levels, protos, masks):
     group, image, coefs, mask_value, box = (field[order] for field in joined)
     # The box in mask pixels. Column c is in it iff x1 <= c < x2, that is iff
     # ceil(x1) <= c < ceil(x2), with x1 = x - w / 2; likewise the rows.
-    pixel_scale = box.new_tensor([mask_w, mask_h, mask_w, mask_h])
+    pixel_scale = box.new_tensor([mask_w, mask_h] * 2)
     corners = xywh2xyxy(box * pixel_scale).ceil()
     col_start, row_start, col_end, row_end = corners.clamp(min=0).minimum(pixel_scale).long().T
     box_w = (col_end - col_start).clamp(min=0)
@@ -205,11 +205,13 @@ def mask_loss_fast(levels, protos, masks):
         protos.view(batch_size, num_masks, -1).unbind(0),
         logit_index.split(pairs_per_image),
     )
-    logits = []
-    for image_coefs, image_protos, index in per_image:
-        if len(index):
-            logits.append((image_coefs @ image_protos).view(-1)[index])
-    logits = torch.cat(logits)
+    logits = torch.cat(
+        [
+            (image_coefs @ image_protos).view(-1)[index]
+            for image_coefs, image_protos, index in per_image
+            if len(index)
+        ]
+    )
     in_mask = (masks.reshape(-1)[mask_index] == mask_value[pair_positive]).to(protos.dtype)
     per_pair = F.binary_cross_entropy_with_logits(logits, in_mask, reduction="none")
     # A positive's loss is the sum over its pairs / the map's pixels / the normalised box area.
@@ -248,7 +250,7 @@ class YOLOLoss:
         self.cls_pw = torch.tensor([hyp["cls_pw"]], device=device)
         self.obj_pw = torch.tensor([hyp["obj_pw"]], device=device)
         # Label smoothing moves the class targets of positives and negatives towards 0.5.
-        smoothing = hyp.get("label_smoothing", 0.0)
+        smoothing = hyp["label_smoothing"]
         self.class_positive = 1.0 - 0.5 * smoothing
         self.class_negative = 0.5 * smoothing
         # mask_loss_fast, equal to the plain mask_loss, ~3.5x faster (see its docstring).
@@ -259,7 +261,7 @@ class YOLOLoss:
         loss = F.binary_cross_entropy_with_logits(
             logits, target, pos_weight=pos_weight, reduction="none"
         )
-        gamma = self.hyp.get("fl_gamma", 0.0)
+        gamma = self.hyp["fl_gamma"]
         if gamma > 0:
             prob = logits.sigmoid()
             prob_true = target * prob + (1 - target) * (1 - prob)
@@ -271,10 +273,10 @@ class YOLOLoss:
         """The positives of `level`, whose maps are ny x nx cells; targets (N, 6) as __call__'s."""
         # The level's anchors (na, 2) are in grid units, as are the boxes below.
         anchors = self.head.anchors[level].to(targets.device)
-        gain = targets.new_tensor([nx, ny, nx, ny])
+        gain = targets.new_tensor([nx, ny] * 2)
         grid_xywh = targets[:, 2:6] * gain
         # An (anchor, target) pair is kept when neither w nor h differ by more than anchor_t.
-        ratio = grid_xywh[None, :, 2:4] / anchors[:, None]
+        ratio = grid_xywh[:, 2:4] / anchors[:, None]
         kept = torch.max(ratio, 1 / ratio).amax(2) < self.hyp["anchor_t"]
         anchor, target = kept.nonzero(as_tuple=True)
         xy = grid_xywh[target, :2]
@@ -283,8 +285,7 @@ class YOLOLoss:
         near = (distances % 1 < 0.5) & (distances > 1)
         # use (5, n) marks the cells a pair is assigned to: its own, and the neighbours near its
         # centre.
-        own = torch.ones_like(near[:, :1])
-        use = torch.cat((own, near), 1).T
+        use = F.pad(near, (1, 0), value=True).T
         offset, pair = use.nonzero(as_tuple=True)
         anchor = anchor[pair]
         target = target[pair]
@@ -319,7 +320,7 @@ class YOLOLoss:
                 f"YOLOLoss: targets must be (N, 6) [img, cls, xywh], not {tuple(targets.shape)}"
             )
         device = maps[0].device
-        batch_size = maps[0].shape[0]
+        batch_size = len(maps[0])
         targets = targets.to(device=device, dtype=torch.float32)
         box_loss = torch.zeros(1, device=device)
         obj_loss = torch.zeros(1, device=device)
@@ -331,8 +332,7 @@ class YOLOLoss:
         found = []
         for level, level_map in enumerate(maps):
             positives = self._assign(level, targets, *level_map.shape[2:4])
-            cells = level_map.shape[:4]
-            obj_target = torch.zeros(cells, dtype=level_map.dtype, device=device)
+            obj_target = torch.zeros(level_map.shape[:4], dtype=level_map.dtype, device=device)
             if len(positives.image):
                 pred = level_map[positives.cells]
                 pred_box = self._pred_boxes(pred, positives.anchor_wh)
@@ -344,14 +344,15 @@ class YOLOLoss:
                     classes = targets[positives.target, 1]
                     cls_loss += self._class_loss(pred[:, 5 : 5 + self.nc], classes)
                 if self.nm:
-                    mask_positives = MaskPositives(
-                        group=level * batch_size + positives.image,
-                        image=positives.image,
-                        coefs=pred[:, 5 + self.nc :],
-                        mask_value=target_mask_values[positives.target],
-                        box=positives.box_normalised,
+                    found.append(
+                        MaskPositives(
+                            group=level * batch_size + positives.image,
+                            image=positives.image,
+                            coefs=pred[:, 5 + self.nc :],
+                            mask_value=target_mask_values[positives.target],
+                            box=positives.box_normalised,
+                        )
                     )
-                    found.append(mask_positives)
             obj_loss += self._bce(level_map[..., 4], obj_target, self.obj_pw) * self.balance[level]
         if found:
             seg_loss += self.mask_loss(found, protos, masks) * self.hyp["box"] / batch_size
@@ -377,9 +378,8 @@ class YOLOLoss:
         # Several positives may share a cell: the last in assignment order wins (what yolov5's
         # index assignment does), made explicit here so that it is deterministic on every device:
         # all of them write the last one's IoU.
-        _, num_anchors, ny, nx = obj_target.shape
-        cell = (positives.image * num_anchors + positives.anchor) * ny + positives.grid_y
-        cell = cell * nx + positives.grid_x
+        # Each positive's flat index into the (contiguous) obj_target.
+        cell = sum(index * stride for index, stride in zip(positives.cells, obj_target.stride()))
         order = torch.arange(len(cell), device=cell.device)
         last = cell.new_full((obj_target.numel(),), -1)
         last.scatter_reduce_(0, cell, order, "amax")
@@ -389,8 +389,7 @@ class YOLOLoss:
     def _class_loss(self, logits, classes):
         """BCE of the positives' class logits (n, nc) against their classes (n,), smoothed."""
         target = torch.full_like(logits, self.class_negative)
-        positives = torch.arange(len(logits), device=logits.device)
-        target[positives, classes.long()] = self.class_positive
+        target.scatter_(1, classes.long()[:, None], self.class_positive)
         return self._bce(logits, target, self.cls_pw)
 
 

@@ -29,7 +29,7 @@ def match_predictions(iou, conf, pred_cls, gt_cls):
     tp = np.zeros((len(iou), len(levels)), bool)
     # A prediction only matches ground truth of its class. The ground truths reversed, so that
     # argmax (the first best) finds the last best one.
-    same_class = pred_cls[:, None] == gt_cls[None]
+    same_class = pred_cls[:, None] == gt_cls
     iou = np.where(same_class, iou, -1.0)[:, ::-1]
     # Per threshold, the (reversed) ground truths not matched yet.
     free = np.ones((len(levels), iou.shape[1]), bool)

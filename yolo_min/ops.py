@@ -92,8 +92,8 @@ def process_mask(protos, det, input_hw):
     scale = boxes.new_tensor([w / input_w, h / input_h] * 2)
     # the boxes in prototype pixels, each coordinate (n, 1, 1, 1)
     x1, y1, x2, y2 = (boxes * scale).T[..., None, None, None]
-    rows = torch.arange(h, device=boxes.device, dtype=boxes.dtype)[:, None]
-    cols = torch.arange(w, device=boxes.device, dtype=boxes.dtype)
+    rows = torch.arange(h, device=boxes.device)[:, None]
+    cols = torch.arange(w, device=boxes.device)
     in_rows = (rows >= y1) & (rows < y2)
     in_cols = (cols >= x1) & (cols < x2)
     masks = masks * in_rows * in_cols
@@ -245,7 +245,7 @@ def mask_iou(a, b):
     inter = (a @ b.T).double()
     area_a = a.sum(1).double()
     area_b = b.sum(1).double()
-    union = area_a[:, None] + area_b[None] - inter
+    union = area_a[:, None] + area_b - inter
     # 0 where both are empty
     return inter / union.clamp(min=1)
 

@@ -59,10 +59,11 @@ def draw_batch(images, targets=None, masks=None, *, fname, names=None, preds=Non
                 instance_masks[None].float(), size=(height, width), mode="nearest"
             )
             instance_masks = resized[0].bool()
-        cell = draw_detections(
-            image, boxes, cls, conf=conf, names=names, masks=instance_masks, width=line_width
+        cells.append(
+            draw_detections(
+                image, boxes, cls, conf=conf, names=names, masks=instance_masks, width=line_width
+            )
         )
-        cells.append(cell)
     per_row = math.ceil(math.sqrt(len(images)))
     grid = make_grid(cells, nrow=per_row, padding=PAD, pad_value=255)
     picture = to_pil_image(grid)
@@ -94,7 +95,7 @@ def finish_drawing():
         DRAWING.pop().join()
 
 
-def draw_detections(image, boxes, cls, conf=None, names=None, masks=None, width=1, labels=True):
+def draw_detections(image, boxes, cls, conf, names, masks=None, width=1, labels=True):
     """uint8 (3,H,W) image with bool masks (n,H,W) blended in and boxes (n,4) xyxy px drawn in the
     colours of classes cls, labelled "name conf" ("name" if conf is None, nothing unless labels)."""
     if not cls:

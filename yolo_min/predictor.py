@@ -46,7 +46,7 @@ from .validator import (
 )
 
 # yolov5's detect.py
-PREDICT_NMS = dict(conf_thres=0.25, iou_thres=0.45, max_det=1000)
+PREDICT_NMS = {"conf_thres": 0.25, "iou_thres": 0.45, "max_det": 1000}
 # characters that are no part of a safe file name on Linux, macOS or Windows
 UNSAFE_CHARACTERS = re.compile(r'[\x00-\x1f\x7f/\\:*?"<>|]')
 # a crop folder's name, in UTF-8 (file systems allow 255)
@@ -220,7 +220,7 @@ def read(item, imgsz, stride, classify):
     while decoding, each naming the image)} or {"index", "path", "error"}; it never raises."""
     index, src = item
     path = str(src) if isinstance(src, (str, Path)) else None
-    sample = dict(index=index, path=path)
+    sample = {"index": index, "path": path}
     # missing, unreadable, not an image, truncated, too large, ...
     failure = "unreadable"
     try:
@@ -237,10 +237,10 @@ def read(item, imgsz, stride, classify):
         else:
             canvas, ratio_pad = letterbox(image, imgsz, stride)
     except Exception as e:
-        return sample | dict(error=f"{failure} ({one_line(e)})")
+        return sample | {"error": f"{failure} ({one_line(e)})"}
     where = path or f"image {index} of the source"
     notes = [f"{where}: {first_line(warning.message)}" for warning in caught]
-    return sample | dict(image=image, input=canvas, ratio_pad=ratio_pad, warnings=notes)
+    return sample | {"image": image, "input": canvas, "ratio_pad": ratio_pad, "warnings": notes}
 
 
 def by_shape(samples, batch_size):
@@ -290,10 +290,10 @@ def stream(model, images, imgsz=640, batch_size=1, workers=0, polygons=False, am
             for sample, det, proto in zip(group, dets, protos):
                 for note in sample["warnings"]:
                     warnings.warn(note, ImageWarning, stacklevel=2)
-                result = dict(index=sample["index"], path=sample["path"])
+                result = {"index": sample["index"], "path": sample["path"]}
                 try:
                     if classify:
-                        found = dict(probs=det)
+                        found = {"probs": det}
                     else:
                         found = to_original(
                             det=det,
@@ -306,13 +306,13 @@ def stream(model, images, imgsz=640, batch_size=1, workers=0, polygons=False, am
                     # e.g. a mask or polygon of a degenerate image
                     result["error"] = f"post-processing failed ({one_line(e)})"
                 else:
-                    result |= dict(
-                        image=sample["image"],
-                        names=model.names,
-                        speed=speed,
-                        warnings=sample["warnings"],
+                    result |= {
+                        "image": sample["image"],
+                        "names": model.names,
+                        "speed": speed,
+                        "warnings": sample["warnings"],
                         **found,
-                    )
+                    }
                 yield result
     finally:
         model.train(was_training)
@@ -344,7 +344,7 @@ def to_original(det, protos, sample, input_hw, polygons):
     # whole pixels, as yolov5
     boxes = ops.scale_boxes(det[:, :4], ratio_pad, (h, w)).round()
     rows = torch.cat((boxes, det[:, 4:6]), 1).cpu()
-    out = dict(boxes=rows, masks=None)
+    out = {"boxes": rows, "masks": None}
     if protos is None:
         return out
     masks = ops.process_mask(protos, det, input_hw=input_hw)
@@ -423,20 +423,20 @@ def label_lines(result, conf):
 def json_entry(result):
     """--save-json's entry: file, size, detections (box xyxy, mask as COCO RLE) or top 5 classes."""
     height, width = result["image"].shape[:2]
-    entry = dict(file=result["path"], width=width, height=height)
+    entry = {"file": result["path"], "width": width, "height": height}
     names = result["names"]
     if "probs" in result:
-        top = [dict(class_id=c, name=names[c], confidence=p) for c, p in top5(result)]
-        return entry | dict(classes=top)
+        top = [{"class_id": c, "name": names[c], "confidence": p} for c, p in top5(result)]
+        return entry | {"classes": top}
     masks = result["masks"]
     detections = []
     for k, (*box, conf, cls) in enumerate(result["boxes"].tolist()):
         cls = int(cls)
-        detection = dict(class_id=cls, name=names[cls], confidence=round(conf, 5), box=box)
+        detection = {"class_id": cls, "name": names[cls], "confidence": round(conf, 5), "box": box}
         if masks is not None:
             detection["mask"] = ops.rle_encode(masks[k])
         detections.append(detection)
-    return entry | dict(detections=detections)
+    return entry | {"detections": detections}
 
 
 def crop_folders(names):
@@ -607,13 +607,13 @@ def main(args):
                 counted += f", {skipped} skipped (named above)"
             print(counted)
             print(f"Results saved to {save_dir}", flush=True)
-        return dict(
-            save_dir=str(save_dir),
-            images=len(seen),
-            skipped=skipped,
-            detections=sum(image.detections for image in seen),
-            speed=speed,
-        )
+        return {
+            "save_dir": str(save_dir),
+            "images": len(seen),
+            "skipped": skipped,
+            "detections": sum(image.detections for image in seen),
+            "speed": speed,
+        }
     finally:
         dist.cleanup()
 

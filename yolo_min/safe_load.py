@@ -88,7 +88,7 @@ def _classifier_cfg(state):
     width = state["model.0.conv.weight"].shape[0] / 64
     nc = len(state["model.9.linear.bias"])
     cfg = load_cfg("yolov5n-cls.yaml")[0]
-    return cfg | dict(nc=nc, depth_multiple=depth, width_multiple=width)
+    return cfg | {"nc": nc, "depth_multiple": depth, "width_multiple": width}
 
 
 @contextlib.contextmanager

@@ -129,7 +129,7 @@ def generate_cls(root, n_train=N_CLS_TRAIN, n_val=N_CLS_VAL, seed=1):
             crop.save(root / split / NAMES[kind] / f"{i:06d}.jpg", quality=92)
 
 
-def ensure(kind="shapes"):
+def ensure(kind):
     """The folder of kind in $YOLO_MIN_CACHE (~/.cache/yolo_min), generated first if absent."""
     cache = os.environ.get("YOLO_MIN_CACHE") or Path.home() / ".cache" / "yolo_min"
     root = Path(cache) / f"{kind}-v{VERSION}"

@@ -26,7 +26,7 @@ from . import checkpoint, cls_augment, datasets, dist, safe_load, validator
 from .anchors import check_anchors
 from .cli import ConfigError, parse_kwargs
 from .datasets import ClassifyDataset, YOLODataset, build_dataloader
-from .files import read_yaml
+from .files import first_line, read_yaml
 from .losses import ClassifyLoss, YOLOLoss, scale_hyp
 from .metrics import KINDS, metric_names
 from .models import CFG_DIR, Model, ModelEMA, amp_dtype, de_parallel
@@ -37,14 +37,14 @@ NOMINAL_BATCH = 64
 # classify's recipe: no warmup, no accumulation; the others' is hyp.scratch-low
 HYP_FILES = {"classify": "hyp.cls.yaml"}
 # the options' defaults that depend on the task, unless given
-TASK_DEFAULTS = {"classify": dict(imgsz=224, batch_size=64, optimizer="Adam")}
-DEFAULTS = dict(imgsz=640, batch_size=16, optimizer="SGD")
+TASK_DEFAULTS = {"classify": {"imgsz": 224, "batch_size": 64, "optimizer": "Adam"}}
+DEFAULTS = {"imgsz": 640, "batch_size": 16, "optimizer": "SGD"}
 # trainings this process has started (a script may train more than once under one torchrun run)
 TRAININGS_STARTED = itertools.count()
-OPTIMIZERS = dict(SGD=optim.SGD, Adam=optim.Adam, AdamW=optim.AdamW, RMSProp=optim.RMSprop)
+OPTIMIZERS = {"SGD": optim.SGD, "Adam": optim.Adam, "AdamW": optim.AdamW, "RMSProp": optim.RMSprop}
 IMGSZ_RANGE = (32, 8192)
 # the least value of each numeric option (--batch-size: also a multiple of the world size)
-LEAST = dict(epochs=1, batch_size=1, log_every=1, workers=0, patience=0, seed=0)
+LEAST = {"epochs": 1, "batch_size": 1, "log_every": 1, "workers": 0, "patience": 0, "seed": 0}
 # each recipe key's valid range (both recipes' keys): "[" and "]" include a bound, "(" and ")" not
 HYP_RANGES = {
     "lr0": "(0, 1]",
@@ -109,7 +109,7 @@ def get_args_parser():
     add("--epochs", type=int, default=100)
     add("--batch-size", type=int, help="global, split over the ranks (16; classify 64)")
     add("--imgsz", type=int, help="train and val image size (640; classify 224)")
-    add("--optimizer", choices=list(OPTIMIZERS), help="SGD (classify: Adam)")
+    add("--optimizer", choices=OPTIMIZERS, help="SGD (classify: Adam)")
     add("--device", default="", help="cpu, cuda or a GPU index")
     add("--amp", choices=["auto", "on", "off"], default="auto", help=validator.AMP_HELP)
     add("--workers", type=int, default=8, help="dataloader workers per rank")
@@ -118,15 +118,22 @@ def get_args_parser():
     add("--exist-ok", action="store_true", help="reuse project/name")
     add("--resume", nargs="?", const=True, default=False, help="a last.pt, or newest")
     add("--freeze", nargs="+", type=int, default=[0], help="first N, or listed layers")
-    add("--cos-lr", action="store_true", help="cosine lr schedule, not linear")
-    add("--sync-bn", action="store_true", help="SyncBatchNorm across GPUs")
+    validator.add_switches(
+        parser,
+        {"--cos-lr": "cosine lr schedule, not linear", "--sync-bn": "SyncBatchNorm across GPUs"},
+    )
     add("--patience", type=int, default=100, help="epochs without improvement")
     add("--seed", type=int, default=0)
     add("--cache", choices=["auto", "ram", "off"], default="auto", help="images in RAM")
     add("--log-every", type=int, default=10, help="a progress line every N batches")
-    add("--noautoanchor", action="store_true")
-    add("--noval", action="store_true", help="validate the final epoch only")
-    add("--nosave", action="store_true", help="save the final checkpoint only")
+    validator.add_switches(
+        parser,
+        {
+            "--noautoanchor": None,
+            "--noval": "validate the final epoch only",
+            "--nosave": "save the final checkpoint only",
+        },
+    )
     return parser
 
 
@@ -269,17 +276,17 @@ def build_loaders(args, hyp, model, data, info):
     batch = args.batch_size // info.world_size
     stride = model.max_stride
     # --cache off: any value but auto and ram
-    shared = dict(
-        imgsz=args.imgsz,
-        verbose=info.rank == 0,
-        local_world_size=info.local_world_size,
-        cache=args.cache,
-    )
+    shared = {
+        "imgsz": args.imgsz,
+        "verbose": info.rank == 0,
+        "local_world_size": info.local_world_size,
+        "cache": args.cache,
+    }
     if model.task == "classify":
         train = ClassifyDataset(data["train"][0], augment=True, prefix="train: ", **shared)
         val = ClassifyDataset(data["val"][0], prefix="val: ", **shared)
     else:
-        shared |= dict(task=model.task, stride=stride, nc=data["nc"], hyp=hyp)
+        shared |= {"task": model.task, "stride": stride, "nc": data["nc"], "hyp": hyp}
         train = YOLODataset(
             data["train"], augment=True, batch_size=batch, prefix="train: ", **shared
         )
@@ -297,7 +304,11 @@ def build_loaders(args, hyp, model, data, info):
             f"{given} at --imgsz {args.imgsz}: {ONE_IMAGE}; "
             f"use at least 2 images per rank, or --imgsz > {args.imgsz}"
         )
-    ranks = dict(rank=info.rank, world_size=info.world_size, local_world_size=info.local_world_size)
+    ranks = {
+        "rank": info.rank,
+        "world_size": info.world_size,
+        "local_world_size": info.local_world_size,
+    }
     loader, _ = build_dataloader(
         train,
         batch,
@@ -327,16 +338,16 @@ def build_optimizer(model, lr, momentum, decay, name="SGD"):
             else:
                 weights.append(p)
     groups = [
-        dict(params=biases, initial_lr=lr, bias=True, weight_decay=0.0),
-        dict(params=norm_weights, initial_lr=lr, bias=False, weight_decay=0.0),
-        dict(params=weights, initial_lr=lr, bias=False, weight_decay=decay),
+        {"params": biases, "initial_lr": lr, "bias": True, "weight_decay": 0.0},
+        {"params": norm_weights, "initial_lr": lr, "bias": False, "weight_decay": 0.0},
+        {"params": weights, "initial_lr": lr, "bias": False, "weight_decay": decay},
     ]
     if "Adam" in name:
-        settings = dict(betas=(momentum, 0.999))
+        settings = {"betas": (momentum, 0.999)}
     elif name == "SGD":
-        settings = dict(momentum=momentum, nesterov=True)
+        settings = {"momentum": momentum, "nesterov": True}
     else:
-        settings = dict(momentum=momentum)
+        settings = {"momentum": momentum}
     # On a CPU torch would update one tensor at a time; all at once is the same arithmetic, bit for
     # bit, and on 2 cores about 4 ms a step faster for yolov5n-cls's Adam.
     return OPTIMIZERS[name](groups, lr=lr, foreach=True, **settings)
@@ -570,7 +581,7 @@ def prepare(args, info, given=None):
             dist.run_on_main(checkpoint.restore_results, ckpt, save_dir)
     # DataError and CheckpointError are ValueErrors
     except (ValueError, OSError, RuntimeError, yaml.YAMLError) as e:
-        raise ConfigError(str(e).splitlines()[0]) from None
+        raise ConfigError(first_line(e)) from None
     return Setup(
         args=args,
         ckpt=ckpt,
@@ -736,15 +747,15 @@ def fit(args, info, given=None, callbacks=None):
     trained = de_parallel(training.model).to(memory_format=torch.contiguous_format).eval()
     trained.load_state_dict(ema.state_dict())
     run_callbacks(callbacks, event._replace(name="on_train_end", epoch=epoch + 1, metrics=metrics))
-    return dict(
-        save_dir=str(setup.save_dir),
-        data=args.data,
-        epochs=epoch + 1,
-        best_fitness=best.fitness,
-        metrics=metrics,
-        img_s=img_s,
-        model=trained,
-    )
+    return {
+        "save_dir": str(setup.save_dir),
+        "data": args.data,
+        "epochs": epoch + 1,
+        "best_fitness": best.fitness,
+        "metrics": metrics,
+        "img_s": img_s,
+        "model": trained,
+    }
 
 
 def start_training(setup, info):

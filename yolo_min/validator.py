@@ -25,7 +25,7 @@ COCO91_IDS = [i for i in range(1, 91) if i not in (12, 26, 29, 30, 45, 66, 68, 6
 MASK_CHUNK = 32
 AMP_HELP = "auto: fp16 on CUDA, bf16 on a CPU with it (predict.py: fp32); on; off: exact fp32"
 # yolov5's val.py
-VAL_NMS = dict(conf_thres=0.001, iou_thres=0.6, multi_label=True, max_det=300)
+VAL_NMS = {"conf_thres": 0.001, "iou_thres": 0.6, "multi_label": True, "max_det": 300}
 # the "speed" of evaluate and predict, ms per image
 STAGES = ("preprocess", "inference", "nms")
 # the numeric options of val.py and predict.py: (type, lowest, highest or None for no bound)
@@ -308,7 +308,7 @@ def main(args, model=None):
         loader = build_loader(args, model, imgsz=imgsz, info=info)
         save_dir = dist.run_on_main(next_run_dir, args.project, args.name, args.exist_ok)
         save_dir.mkdir(parents=True, exist_ok=True)
-        nms = dict(conf_thres=args.conf_thres, iou_thres=args.iou_thres, max_det=args.max_det)
+        nms = {"conf_thres": args.conf_thres, "iou_thres": args.iou_thres, "max_det": args.max_det}
         results = evaluate(
             model,
             loader,

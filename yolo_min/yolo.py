@@ -22,7 +22,7 @@ from .models import Model
 from .safe_load import load_model
 
 # predict.py's options that YOLO.predict takes (it returns results and writes no files)
-PREDICT_OPTIONS = tuple(
+PREDICT_OPTIONS = (
     "imgsz conf_thres iou_thres max_det classes agnostic_nms batch_size workers device amp".split()
 )
 
