@@ -331,14 +331,25 @@ def _setting_types(optimizer):
 
 def save(state, path):
     """torch.save atomically: a crash, kill or full disk (SaveError) leaves the old file whole."""
-    # written, fsynced, then renamed over path
+    write_atomically(path, lambda f: torch.save(state, f))
+
+
+def copy(source, path):
+    """The file source copied to path as atomically as save writes (best.pt: the last.pt just
+    saved, without serializing its state a second time)."""
+    with open(source, "rb") as f:
+        write_atomically(path, lambda out: shutil.copyfileobj(f, out))
+
+
+def write_atomically(path, write):
+    """write(file) to path.tmp, fsynced, then renamed over path; SaveError if that fails."""
     tmp = Path(f"{path}.tmp")
     # SIGINT and SIGTERM take effect once the write is done: a KeyboardInterrupt inside torch.save
     # would break its zip writer
     with signals_held():
         try:
             with open(tmp, "wb") as f:
-                torch.save(state, f)
+                write(f)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)

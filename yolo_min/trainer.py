@@ -862,7 +862,7 @@ def save_epoch(setup, training, fitted, best, rngs, last):
             state["results_csv"] = text
             checkpoint.save(state, weights / "last.pt")
             if metrics and best.epoch == epoch:
-                checkpoint.save(state, weights / "best.pt")
+                checkpoint.copy(weights / "last.pt", weights / "best.pt")
         results.write_text(text)
 
 
