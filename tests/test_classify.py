@@ -163,11 +163,13 @@ def test_batches_do_not_depend_on_workers(tmp_path):
     root = make_folder(tmp_path, n=5)
     ds = ClassifyDataset(root / "train", imgsz=32, augment=True, verbose=False)
 
-    def batches(workers, seed=0, rank=0, world=1):
+    def batches(workers, seed=0, rank=0, world=1, dataset=ds):
         """The loader's batches with cls_augment's images, as train_one_epoch makes them
         (augment_batch)."""
         kw = dict(shuffle=True, rank=rank, world_size=world, seed=seed)
-        loader, sampler = build_dataloader(ds, 4, workers, **kw)
+        loader, sampler = build_dataloader(dataset, 4, workers, **kw)
+        # images cached in RAM: the main process takes the batches itself
+        assert (loader.num_workers == 0) == (dataset.in_ram or workers == 0)
         sampler.set_epoch(2)
         out = []
         for b in loader:
@@ -178,7 +180,9 @@ def test_batches_do_not_depend_on_workers(tmp_path):
     a = batches(0)
     assert all(torch.equal(t[:, 0], torch.arange(len(t))) for _, _, t in a)  # [image, cls]
     assert all(torch.equal(t[:, 1], (i >= 5).long()) for i, _, t in a)
-    for b in (batches(2), batches(0)):
+    cached = ClassifyDataset(root / "train", imgsz=32, augment=True, verbose=False, cache="ram")
+    assert cached.in_ram and not ds.in_ram
+    for b in (batches(2), batches(0), batches(2, dataset=cached)):
         assert all(all(map(torch.equal, x, y)) for x, y in zip(a, b))
     assert not all(torch.equal(x[1], y[1]) for x, y in zip(a, batches(0, seed=1)))
     two = batches(0, rank=0, world=2) + batches(0, rank=1, world=2)

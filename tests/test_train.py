@@ -102,7 +102,7 @@ def test_ema_updates_all_float_state():
         model[0].weight.add_(1.0)
         model[1].running_mean.add_(2.0)
         model[1].num_batches_tracked += 5
-    ema.update(model)
+    ema.update()
     d = 0.9999 * (1 - math.exp(-1 / 2000))
     now, src = ema.ema.state_dict(), model.state_dict()
     for k in ("0.weight", "1.running_mean"):

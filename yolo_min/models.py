@@ -458,19 +458,25 @@ def de_parallel(model):
 
 
 class ModelEMA:
-    """Exponential moving average of every float tensor of a model's state (weights, BN buffers)."""
+    """Exponential moving average of every float tensor of a model's state (weights, BN buffers).
+    The model's tensors are paired with the average's once, here: move or convert it first."""
 
     def __init__(self, model):
-        self.ema = deepcopy(de_parallel(model)).eval().requires_grad_(False)
+        model = de_parallel(model)
+        self.ema = deepcopy(model).eval().requires_grad_(False)
         self.updates = 0
+        # Paired once: two state_dicts a step cost yolov5n-cls 6 times the arithmetic (1.5 ms).
+        sources = model.state_dict(keep_vars=True)
+        averages = self.ema.state_dict(keep_vars=True)
+        floats = [k for k, v in averages.items() if v.dtype.is_floating_point]
+        self.averages = [averages[k] for k in floats]
+        self.sources = [sources[k] for k in floats]
 
     @torch.no_grad()
-    def update(self, model):
+    def update(self):
         """After an optimizer step: ema = decay * ema + (1 - decay) * model."""
         self.updates += 1
         # The decay ramps up from 0, so that the average forgets fast early in training.
         decay = 0.9999 * (1 - math.exp(-self.updates / 2000))
-        state = de_parallel(model).state_dict()
-        averages = {k: v for k, v in self.ema.state_dict().items() if v.dtype.is_floating_point}
         # All tensors in one call: the same arithmetic as one lerp_ each, with less overhead.
-        torch._foreach_lerp_(list(averages.values()), [state[k] for k in averages], 1 - decay)
+        torch._foreach_lerp_(self.averages, self.sources, 1 - decay)

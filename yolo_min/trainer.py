@@ -391,7 +391,7 @@ def optimizer_step(model, optimizer, scaler, ema):
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
     if ema is not None:
-        ema.update(model)
+        ema.update()
 
 
 def train_one_epoch(training, setup, epoch, epoch_seconds=None):
