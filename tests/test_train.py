@@ -3,6 +3,7 @@ data)."""
 
 import csv
 import itertools
+import copy
 import math
 import os
 import re
@@ -48,6 +49,31 @@ def args_for(tmp_path, *extra):
             *extra,
         ]
     )
+
+
+@pytest.mark.parametrize("name", ["SGD", "Adam", "AdamW", "RMSProp"])
+def test_optimizer_kernels_step_as_torchs_loop(name):
+    """build_optimizer's fused (RMSprop: foreach) steps against torch's one tensor at a time."""
+    torch.manual_seed(0)
+    # no bias before the BatchNorm: its gradient, 0 but for rounding, Adam would scale up to lr
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, bias=False), nn.BatchNorm2d(8), nn.Conv2d(8, 2, 1))
+    loop = copy.deepcopy(model)
+    fast = trainer.build_optimizer(model, 0.01, 0.9, 5e-4, name=name)
+    slow = trainer.build_optimizer(loop, 0.01, 0.9, 5e-4, name=name)
+    assert bool(fast.defaults["fused"]) == (name != "RMSProp")
+    for group in slow.param_groups:
+        group |= {"foreach": False, "fused": None}
+    for _ in range(3):
+        x = torch.randn(4, 3, 8, 8)
+        for m, opt in ((model, fast), (loop, slow)):
+            m(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    for a, b in zip(model.parameters(), loop.parameters()):
+        if name == "SGD":
+            assert torch.equal(a, b)
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
 # ---------------------------------------------------------------- recipe parts
