@@ -153,6 +153,26 @@ def test_checkpoint_is_atomic_and_weights_only(tmp_path):
     assert torch.equal(a[0], b[0]) and np.array_equal(a[1], b[1]) and a[2] == b[2]
 
 
+@pytest.mark.parametrize("links", [True, False], ids=["hard link", "no links"])
+def test_best_is_the_last_saved_and_outlives_the_next_save(tmp_path, monkeypatch, links):
+    def no_link(source, target):
+        raise PermissionError(f"{target}: this filesystem has no hard links (FAT, some shares)")
+
+    if not links:
+        monkeypatch.setattr(os, "link", no_link)
+    last = tmp_path / "last.pt"
+    best = tmp_path / "best.pt"
+    checkpoint.save({"epoch": 1}, last)
+    checkpoint.copy(last, best)
+    assert best.read_bytes() == last.read_bytes()
+    assert best.samefile(last) == links
+    checkpoint.save({"epoch": 2}, last)
+    assert torch.load(best)["epoch"] == 1 and torch.load(last)["epoch"] == 2
+    checkpoint.copy(last, best)
+    assert torch.load(best)["epoch"] == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best.pt", "last.pt"]
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_stop_signal_during_checkpoint_write_waits_for_it(tmp_path, monkeypatch, sig):
     real = torch.save

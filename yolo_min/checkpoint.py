@@ -335,8 +335,18 @@ def save(state, path):
 
 
 def copy(source, path):
-    """The file source copied to path as atomically as save writes (best.pt: the last.pt just
-    saved, without serializing its state a second time)."""
+    """The file source at path too, as atomically as save writes (best.pt: the last.pt just saved,
+    without serializing its state a second time): a second name of the same file (a hard link;
+    save replaces a file, never writes into it), else, where the filesystem has none, a copy."""
+    tmp = Path(f"{path}.tmp")
+    with signals_held():
+        tmp.unlink(missing_ok=True)
+        try:
+            os.link(source, tmp)
+            os.replace(tmp, path)
+            return
+        except OSError:
+            tmp.unlink(missing_ok=True)
     with open(source, "rb") as f:
         write_atomically(path, lambda out: shutil.copyfileobj(f, out))
 
