@@ -68,10 +68,16 @@ class Verified(NamedTuple):
     fixed: int = 0
 
 
-def thread_map(fn, *iterables):
-    """list(map(fn, *iterables)) on up to 8 threads: PIL decodes without holding the GIL."""
-    with ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
-        return list(pool.map(fn, *iterables))
+def thread_map(fn, items):
+    """[fn(item) for item in items] on up to 8 threads (PIL decodes without holding the GIL), each
+    a contiguous share: a task per item costs more than a small image's decode."""
+    items = list(items)
+    threads = max(min(8, os.cpu_count() or 1, len(items)), 1)
+    size = -(-len(items) // threads)
+    shares = [items[k : k + size] for k in range(0, len(items), size)]
+    with ThreadPoolExecutor(threads) as pool:
+        done = pool.map(lambda share: [fn(item) for item in share], shares)
+        return [result for share in done for result in share]
 
 
 def img2label_path(f):
@@ -349,7 +355,7 @@ def _load_or_build(files, nc, prefix, verbose):
             data = torch.load(path, weights_only=True)
             if data["key"] == key:
                 return data
-    results = thread_map(verify, files, lb_files, [nc] * len(files))
+    results = thread_map(lambda pair: verify(*pair, nc), zip(files, lb_files))
     # per file: Verified's fields
     status, shapes, file_rows, file_msgs, dropped, fixed = zip(*results)
     rows = [row for per_file in file_rows for row in per_file]
