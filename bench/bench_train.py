@@ -7,7 +7,7 @@ Each case (task x imgsz) runs in a fresh child process:
   full loop   train.main on coco128 (or coco128-seg), batch 16, 2 workers, 2 epochs of 8
               iterations (the first of each, waiting for the workers, is left out); no validation.
 Classify (cls224, cls64): batches of 64, Adam; data: coco128's photos as an ImageFolder (1024
-links, 3 classes) at 224, the embedded shapes-cls (1200 crops of 37-70 px) at 64.
+copies, 3 classes) at 224, the embedded shapes-cls (1200 crops of 37-70 px) at 64.
 The two alternate (model-only, loop, model-only, loop, model-only), so a machine that speeds up or
 slows down meanwhile affects both sides alike. --amp off / auto: both sides in float32 (contiguous)
 or as train.py --amp auto runs (bfloat16 autocast and channels_last on a CPU with native bf16).
@@ -79,7 +79,7 @@ def copy_data(names: list[str], folder: Path) -> Path:
 
 
 def cls_folder(folder: Path, imgsz: int) -> Path:
-    """Classify data: an ImageFolder of coco128's photos (8 links to each, 3 classes by index)
+    """Classify data: an ImageFolder of coco128's photos (8 copies of each, 3 classes by index)
     made under folder or, below 128 px, the embedded shapes-cls (crops of 37-70 px)."""
     if imgsz < 128:
         from yolo_min import shapes
@@ -88,9 +88,10 @@ def cls_folder(folder: Path, imgsz: int) -> Path:
     photos = sorted((DATA / "coco128" / "images" / "train2017").glob("*.jpg"))
     for split, copies in (("train", 8), ("val", 1)):
         for k, (c, f) in enumerate((c, f) for c in range(copies) for f in photos):
-            link = folder / "cls" / split / f"class{k % 3}" / f"{c}_{f.name}"
-            link.parent.mkdir(parents=True, exist_ok=True)
-            link.symlink_to(f)
+            # copies: the dataset reads each real file once, links to one file as one image
+            copy = folder / "cls" / split / f"class{k % 3}" / f"{c}_{f.name}"
+            copy.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(f, copy)
     return folder / "cls"
 
 

@@ -73,7 +73,11 @@ def test_batch_is_the_per_image_recipe():
         sizes.append((height, width))
         keys.append((3, 1, k))
     out = augment(torch.stack(squares), sizes, keys)
-    assert out.shape == (8, 3, side, side) and out.dtype == torch.uint8
+    assert (
+        out.shape == (8, 3, side, side)
+        and out.dtype == torch.float32
+        and torch.equal(out, out.round().clamp(0, 255))
+    )
     errors = []
     for im, key, got in zip(originals, keys, out):
         box, flip, colour = draw(key, height, width)
@@ -121,6 +125,10 @@ def test_a_batch_without_jitter_or_of_one_image():
     image = torch.randint(0, 255, (1, 3, 32, 32), dtype=torch.uint8)
     unjittered = [k for k in range(200) if draw((0, 0, k), 32, 32)[2] == (1.0, 1.0, 1.0)][:3]
     out = augment(image.expand(3, -1, -1, -1), [(32, 32)] * 3, [(0, 0, k) for k in unjittered])
-    assert out.shape == (3, 3, 32, 32) and out.dtype == torch.uint8
+    assert (
+        out.shape == (3, 3, 32, 32)
+        and out.dtype == torch.float32
+        and torch.equal(out, out.round().clamp(0, 255))
+    )
     one = augment(image, [(32, 32)], [(0, 0, unjittered[0])])
     assert torch.equal(one[0], out[0])

@@ -60,7 +60,9 @@ def draw(key, height, width):
 
 def augment(images, sizes, keys):
     """uint8 (bs,3,S,S), image k stretched from its original sizes[k] (h, w) px, augmented by its
-    draw(keys[k], h, w) -> uint8 (bs,3,S,S) on the same device: S is the training size."""
+    draw(keys[k], h, w) -> float32 (bs,3,S,S) of whole numbers 0-255 (the values a uint8 image
+    would hold, without the conversions to it and back) on the same device: S is the training
+    size."""
     draws = [draw(key, *size) for key, size in zip(keys, sizes)]
     boxes, flips, colours = zip(*draws)
     jittered = [k for k, colour in enumerate(colours) if colour != (1.0, 1.0, 1.0)]
@@ -79,7 +81,7 @@ def augment(images, sizes, keys):
     # Only the jittered half pays for the colour arithmetic and the clamp (a crop of a uint8
     # image stays within 0-255).
     x[jittered] = jitter(x[jittered], factors).clamp_(0, 255)
-    return x.round_().byte()
+    return x.round_()
 
 
 def crop_grid(boxes, flips, side):
@@ -111,8 +113,8 @@ def jitter(x, factors):
 
 
 def augment_batch(batch, seed, epoch, device):
-    """Replace batch["images"] (uint8, on the CPU) by their augmented copies on device, each
-    image k by the draw of its key (seed, epoch, batch["indices"][k])."""
+    """Replace batch["images"] (uint8, on the CPU) by their augmented copies on device (float32
+    0-255), each image k by the draw of its key (seed, epoch, batch["indices"][k])."""
     keys = [(seed, epoch, index) for index in batch["indices"].tolist()]
     images = batch["images"].to(device, non_blocking=True)
     batch["images"] = augment(images, batch["shapes"], keys)

@@ -41,7 +41,8 @@ LIMITS = {
 
 
 def preprocess(images, device, normalize=False):
-    """uint8 (bs, 3, H, W) -> float in [0, 1] on the device (normalize: ImageNet-standardised)."""
+    """uint8 (or float 0-255) (bs, 3, H, W) -> float in [0, 1] on the device (normalize:
+    ImageNet-standardised)."""
     x = images.to(device, non_blocking=True).float() / 255
     if normalize:
         return TF.normalize(x, datasets.IMAGENET_MEAN, datasets.IMAGENET_STD)
