@@ -72,12 +72,13 @@ def thread_map(fn, items):
     """[fn(item) for item in items] on up to 8 threads (PIL decodes without holding the GIL), each
     a contiguous share: a task per item costs more than a small image's decode."""
     items = list(items)
-    threads = max(min(8, os.cpu_count() or 1, len(items)), 1)
-    size = -(-len(items) // threads)
-    shares = [items[k : k + size] for k in range(0, len(items), size)]
+    threads = min(8, os.cpu_count() or 1)
+    size = len(items) // threads + 1
     with ThreadPoolExecutor(threads) as pool:
-        done = pool.map(lambda share: [fn(item) for item in share], shares)
-        return [result for share in done for result in share]
+        shares = pool.map(
+            lambda k: [fn(x) for x in items[k : k + size]], range(0, len(items), size)
+        )
+        return [result for share in shares for result in share]
 
 
 def img2label_path(f):
