@@ -325,8 +325,10 @@ def restore(ckpt, model, ema, optimizer, scaler, rank, world_size):
 
 
 def _setting_types(optimizer):
-    """The types of each of the optimizer's param groups' settings."""
-    return [{k: type(v) for k, v in group.items()} for group in optimizer.param_groups]
+    """The types of each of the optimizer's param groups' settings, but how torch runs its steps
+    (foreach, fused: a run saved by an earlier version resumes)."""
+    groups = optimizer.param_groups
+    return [{k: type(v) for k, v in g.items() if k not in ("foreach", "fused")} for g in groups]
 
 
 def save(state, path):
