@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from yolo_min import models
 from yolo_min.models import CFG_DIR, Model, amp_dtype
 from yolo_min.safe_load import CheckpointError, load_model
 
@@ -234,3 +235,52 @@ def test_head_runs_in_fp32_under_bf16_autocast(cfg):
         maps, protos = out if model.task == "segment" else (out, None)
         assert all(t.dtype == torch.float32 for t in (maps if mode == "train" else [maps]))
         assert protos is None or protos.dtype == torch.float32
+
+
+@pytest.mark.parametrize("cfg", ["yolov5n-cls.yaml", "yolov5n-seg.yaml"])
+def test_conv_gradients_reach_silu_dense_in_channels_last(cfg):
+    """A channels_last model on a CPU (as --amp trains it): every SiLU and BatchNorm backward
+    gets a dense channels_last gradient (a cat's backward hands out strided channel slices, the
+    classifier's pool an NCHW one), and the gradients are plain nn.Sequential's: to float
+    rounding in fp32, and no farther from fp32's than plain's under bf16 autocast."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    torch.manual_seed(0)
+    model = Model(cfg, nc=3).to(memory_format=torch.channels_last)
+    x = torch.rand(4, 3, 64, 64).to(memory_format=torch.channels_last)
+    silu_bn = (
+        torch.ops.aten.silu_backward.default,
+        torch.ops.aten.native_batch_norm_backward.default,
+    )
+    dense = []
+
+    class RecordLayouts(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in silu_bn:
+                dense.append(args[0].is_contiguous(memory_format=torch.channels_last))
+            return func(*args, **(kwargs or {}))
+
+    def gradients(amp):
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", torch.bfloat16, enabled=amp):
+            out = model(x)
+        maps = [out] if model.task == "classify" else [*out[0], out[1]]
+        loss = sum(t.float().square().mean() for t in maps)
+        dense.clear()
+        with RecordLayouts():
+            loss.backward()
+        return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    convs = sum(isinstance(m, models.Conv) for m in model.modules())
+    hooked = {}
+    for amp in (False, True):
+        hooked[amp] = gradients(amp)
+        assert dense == [True] * (2 * convs)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(models.Conv, "forward", nn.Sequential.forward)
+        plain = {amp: gradients(amp) for amp in (False, True)}
+    assert not all(dense)
+    torch.testing.assert_close(hooked[False], plain[False], rtol=1e-5, atol=1e-6)
+    hooked_error = (hooked[True] - plain[False]).norm()
+    plain_error = (plain[True] - plain[False]).norm()
+    assert hooked_error <= 1.05 * plain_error
