@@ -239,24 +239,23 @@ def test_head_runs_in_fp32_under_bf16_autocast(cfg):
 
 @pytest.mark.parametrize("cfg", ["yolov5n-cls.yaml", "yolov5n-seg.yaml"])
 def test_conv_gradients_reach_silu_dense_in_channels_last(cfg):
-    """A channels_last model on a CPU (as --amp trains it): every SiLU and BatchNorm backward
-    gets a dense channels_last gradient (a cat's backward hands out strided channel slices, the
-    classifier's pool an NCHW one), and the gradients are plain nn.Sequential's: to float
-    rounding in fp32, and no farther from fp32's than plain's under bf16 autocast."""
+    """A channels_last model on a CPU (as --amp trains it): every SiLU, BatchNorm and conv
+    backward gets a dense channels_last gradient (a cat's backward hands out strided channel
+    slices, the classifier's pool an NCHW one; the Detect head's maps are views of it), and the
+    gradients are plain nn.Sequential's: to float rounding in fp32, and no farther from fp32's
+    than plain's under bf16 autocast."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     torch.manual_seed(0)
     model = Model(cfg, nc=3).to(memory_format=torch.channels_last)
     x = torch.rand(4, 3, 64, 64).to(memory_format=torch.channels_last)
-    silu_bn = (
-        torch.ops.aten.silu_backward.default,
-        torch.ops.aten.native_batch_norm_backward.default,
-    )
+    aten = torch.ops.aten
+    ops = (aten.silu_backward, aten.native_batch_norm_backward, aten.convolution_backward)
     dense = []
 
     class RecordLayouts(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func in silu_bn:
+            if func.overloadpacket in ops:
                 dense.append(args[0].is_contiguous(memory_format=torch.channels_last))
             return func(*args, **(kwargs or {}))
 
@@ -272,10 +271,11 @@ def test_conv_gradients_reach_silu_dense_in_channels_last(cfg):
         return torch.cat([p.grad.flatten() for p in model.parameters()])
 
     convs = sum(isinstance(m, models.Conv) for m in model.modules())
+    conv2ds = sum(isinstance(m, nn.Conv2d) for m in model.modules())
     hooked = {}
     for amp in (False, True):
         hooked[amp] = gradients(amp)
-        assert dense == [True] * (2 * convs)
+        assert dense == [True] * (2 * convs + conv2ds)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(models.Conv, "forward", nn.Sequential.forward)
         plain = {amp: gradients(amp) for amp in (False, True)}
