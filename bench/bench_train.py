@@ -126,7 +126,7 @@ def step_setup(task: str, imgsz: int, data: Path, n_batches: int, batch=16, devi
 def model_only(setup, iters: int, amp="off", channels_last=False, device="cpu") -> float:
     """img/s of forward + loss + backward + step on pre-made batches (one warm-up step first), the
     forward under train.py's autocast for --amp `amp` on device (CUDA: fp16 with a GradScaler),
-    the model in channels_last or not."""
+    the model in channels_last or not, freed memory kept as the trainer keeps it."""
     from yolo_min import trainer
     from yolo_min.models import amp_dtype
 
@@ -136,14 +136,15 @@ def model_only(setup, iters: int, amp="off", channels_last=False, device="cpu") 
     dtype = amp_dtype(device, amp)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
-    for k in range(iters + 1):
-        if k == 1:
-            sync()
-            t0 = time.perf_counter()
-        loss, _ = trainer.forward_loss(model, crit, batches[k % len(batches)], device, dtype)
-        scaler.scale(loss).backward()
-        trainer.optimizer_step(model, opt, scaler, None)
-    sync()
+    with trainer.freed_memory_kept():
+        for k in range(iters + 1):
+            if k == 1:
+                sync()
+                t0 = time.perf_counter()
+            loss, _ = trainer.forward_loss(model, crit, batches[k % len(batches)], device, dtype)
+            scaler.scale(loss).backward()
+            trainer.optimizer_step(model, opt, scaler, None)
+        sync()
     return iters * len(batches[0]["images"]) / (time.perf_counter() - t0)
 
 
