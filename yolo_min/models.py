@@ -144,11 +144,14 @@ class Detect(nn.Module):
         with _autocast_off(features[0]):
             for conv, x in zip(self.m, features):
                 x = conv(x.float())
-                # (bs, na, ny, nx, no) as views from (bs, ny, nx, na * no): a channels_last map
-                # (--amp) needs no copy, and in backward its gradient is made channels_last at once.
-                x = x.permute(0, 2, 3, 1).unflatten(3, (self.na, self.no)).permute(0, 3, 1, 2, 4)
-                if x.stride(-1) != 1:
-                    x = x.contiguous()
+                # (bs, na, ny, nx, no). A channels_last map (--amp) is laid out so already: views
+                # from (bs, ny, nx, na * no), which backward turns into a channels_last gradient
+                # in one copy. A contiguous one is copied, its gradient stays contiguous.
+                if x.is_contiguous(memory_format=torch.channels_last):
+                    x = x.permute(0, 2, 3, 1).unflatten(3, (self.na, self.no))
+                    x = x.permute(0, 3, 1, 2, 4)
+                else:
+                    x = x.unflatten(1, (self.na, self.no)).permute(0, 1, 3, 4, 2).contiguous()
                 raw.append(x)
         if self.training:
             return raw
