@@ -8,7 +8,6 @@ import math
 import os
 import platform
 import re
-import resource
 import signal
 import subprocess
 import sys
@@ -642,21 +641,33 @@ def test_run_reports_precision_device_eta_and_minutes(tmp_path, tiny, capsys):
     assert re.search(r"\n2 epochs in \d+\.\d minutes\n", out) and "hours" not in out
 
 
+# Page faults of 48 MB tensors, each freed at once, in a fresh process (a used heap may hold a free
+# block that large already): before, within and after freed_memory_kept.
+FAULTS = """
+import resource, torch
+from yolo_min import trainer
+
+def faults_of_large_tensors():
+    # the first ones warm the heap up
+    for _ in range(6):
+        torch.empty(12_000_000).fill_(1)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(3):
+        torch.empty(12_000_000).fill_(1)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+plain = faults_of_large_tensors()
+with trainer.freed_memory_kept():
+    kept = faults_of_large_tensors()
+print(plain, kept)
+"""
+
+
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc only")
 def test_freed_memory_kept_spares_the_page_faults():
-    """Within freed_memory_kept (training), a freed 48 MB tensor's pages serve the next one: no
-    page faults once warm; after it, glibc maps large blocks afresh again."""
-
-    def faults_of_large_tensors():
-        # the first ones warm the heap up
-        for _ in range(6):
-            torch.empty(12_000_000).fill_(1)
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        for _ in range(3):
-            torch.empty(12_000_000).fill_(1)
-        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-
-    with trainer.freed_memory_kept():
-        kept = faults_of_large_tensors()
-    after = faults_of_large_tensors()
-    assert kept < 50 < after
+    """glibc maps a 48 MB block afresh each time (thousands of page faults); within
+    freed_memory_kept (training) a freed one's pages serve the next: none once warm."""
+    r = subprocess.run([sys.executable, "-c", FAULTS], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-500:]
+    plain, kept = map(int, r.stdout.split())
+    assert kept < 50 < plain
