@@ -3,7 +3,8 @@ and cls.
 
 Each case (task x imgsz) runs in a fresh child process:
   model-only  forward + loss + backward + optimizer step on 16-image batches taken from the same
-              dataset beforehand (no data loading, no EMA, no logging), 8 steps after a warm-up one.
+              dataset beforehand (no data loading, no EMA, no logging), 8 steps after a warm-up one
+              and at least 1 s.
   full loop   train.main on coco128 (or coco128-seg), batch 16, 2 workers, 2 epochs of 8
               iterations (the first of each, waiting for the workers, is left out); no validation.
 Classify (cls224, cls64): batches of 64, Adam; data: coco128's photos as an ImageFolder (1024
@@ -123,10 +124,11 @@ def step_setup(task: str, imgsz: int, data: Path, n_batches: int, batch=16, devi
     return model, crit, opt, batches
 
 
-def model_only(setup, iters: int, amp="off", channels_last=False, device="cpu") -> float:
-    """img/s of forward + loss + backward + step on pre-made batches (one warm-up step first), the
-    forward under train.py's autocast for --amp `amp` on device (CUDA: fp16 with a GradScaler),
-    the model in channels_last or not, freed memory kept as the trainer keeps it."""
+def model_only(setup, iters: int, amp="off", channels_last=False, device="cpu", min_seconds=0.0):
+    """img/s of forward + loss + backward + step on pre-made batches (one warm-up step first), at
+    least `iters` steps and `min_seconds` s, the forward under train.py's autocast for --amp `amp`
+    on device (CUDA: fp16 with a GradScaler), the model in channels_last or not, freed memory
+    kept as the trainer keeps it."""
     from yolo_min import trainer
     from yolo_min.models import amp_dtype
 
@@ -136,16 +138,22 @@ def model_only(setup, iters: int, amp="off", channels_last=False, device="cpu") 
     dtype = amp_dtype(device, amp)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+
+    def step(batch):
+        loss, _ = trainer.forward_loss(model, crit, batch, device, dtype)
+        scaler.scale(loss).backward()
+        trainer.optimizer_step(model, opt, scaler, None)
+
     with trainer.freed_memory_kept():
-        for k in range(iters + 1):
-            if k == 1:
-                sync()
-                t0 = time.perf_counter()
-            loss, _ = trainer.forward_loss(model, crit, batches[k % len(batches)], device, dtype)
-            scaler.scale(loss).backward()
-            trainer.optimizer_step(model, opt, scaler, None)
+        step(batches[0])
         sync()
-    return iters * len(batches[0]["images"]) / (time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        steps = 0
+        while steps < iters or time.perf_counter() - t0 < min_seconds:
+            step(batches[(steps + 1) % len(batches)])
+            steps += 1
+        sync()
+    return steps * len(batches[0]["images"]) / (time.perf_counter() - t0)
 
 
 def peak_rss_gb(reset: bool = False) -> float:
@@ -174,7 +182,8 @@ def one_case(task: str, imgsz: int, iters: int, amp: str = "off", rounds: int = 
         data = cls_folder(Path(tmp), imgsz) if task == "cls" else data_yaml(task, Path(tmp))
         setup = step_setup(task, imgsz, data, min(iters + 1, 8))
         for r in range(rounds + 1):
-            models.append(model_only(setup, iters, amp, channels_last))
+            # a second at least: a 64 px classify step is 40 ms, and noise comes in bursts
+            models.append(model_only(setup, iters, amp, channels_last, min_seconds=1.0))
             if r == rounds:
                 break
             peak_rss_gb(reset=True)

@@ -429,6 +429,26 @@ def test_rect_letterbox(tmp_path):
     assert gt["cls"].dtype == torch.int64 and len(gt["polygons"]) == len(gt["cls"])
 
 
+def test_collate_leads_each_target_row_by_its_image():
+    """Targets of 2, 0 and 1 rows -> 3 rows [image, ...] in order, values and dtype kept (float
+    detection rows; int64 classify rows)."""
+    image = torch.zeros(3, 4, 4, dtype=torch.uint8)
+    rows = [torch.tensor([[1.0, 0.5, 0.5, 0.2, 0.2], [2.0, 0.1, 0.2, 0.3, 0.4]]), torch.zeros(0, 5)]
+    rows.append(torch.tensor([[3.0, 0.9, 0.8, 0.1, 0.1]]))
+    samples = [
+        {"image": image, "targets": t, "masks": None, "shape": (4, 4), "index": 7 + k}
+        for k, t in enumerate(rows)
+    ]
+    b = collate(samples)
+    assert b["targets"].dtype == torch.float32 and b["indices"].tolist() == [7, 8, 9]
+    assert b["targets"][:, 0].tolist() == [0.0, 0.0, 2.0]
+    assert torch.equal(b["targets"][:, 1:], torch.cat(rows))
+    for k, s in enumerate(samples):
+        s["targets"] = torch.tensor([[k + 5]])
+    assert collate(samples)["targets"].tolist() == [[0, 5], [1, 6], [2, 7]]
+    assert collate(samples)["targets"].dtype == torch.int64
+
+
 def test_val_letterbox_splits_odd_padding_as_yolov5(tmp_path):
     """Rect validation samples (yolov5's batch shapes: 41x64 -> 64x96) with odd padding d:
     round(d / 2 - 0.1) grey lines before the image, round(d / 2 + 0.1) after (41 rows on 64: 11

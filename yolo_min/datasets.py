@@ -9,7 +9,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from PIL import Image, ImageOps
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from torchvision.datasets.folder import ImageFolder
@@ -409,6 +408,8 @@ class ClassifyDataset(ImageFolder):
         self.samples = [s for s, c in zip(self.samples, checks) if c.status != CORRUPT]
         self.imgs = self.samples
         self.targets = [k for _, k in self.samples]
+        # a sample's (1, 1) [cls] is a view of these
+        self.labels = torch.tensor(self.targets).view(-1, 1, 1)
         self.stats = {"images": len(checks), "corrupt": len(checks) - len(self.samples)}
         if verbose:
             self.walk.warn(prefix)
@@ -465,7 +466,7 @@ class ClassifyDataset(ImageFolder):
         image, shape = self._ram[i] if self._ram else self.load(i)
         return {
             "image": image,
-            "targets": torch.tensor([[self.targets[i]]]),
+            "targets": self.labels[i],
             "masks": None,
             "path": self.samples[i][0],
             "shape": shape,
@@ -477,13 +478,16 @@ def collate(samples):
     """Samples -> batch: images uint8 (bs,3,H,W); targets float32 (N,6) [image, cls, cx, cy, w, h]
     (classify: int64 (bs,2)); masks float32 (bs,H/4,W/4) or None; shapes; indices (bs,)."""
     # each target row led by its image's index in the batch
-    rows = [F.pad(s["targets"], (1, 0), value=k) for k, s in enumerate(samples)]
+    counts = torch.tensor([len(s["targets"]) for s in samples])
+    owners = torch.arange(len(samples)).repeat_interleave(counts)
+    rows = torch.cat([s["targets"] for s in samples])
+    rows = torch.cat([owners[:, None].to(rows.dtype), rows], dim=1)
     masks = None
     if samples[0]["masks"] is not None:
         masks = torch.stack([s["masks"] for s in samples]).float()
     return {
         "images": torch.stack([s["image"] for s in samples]),
-        "targets": torch.cat(rows),
+        "targets": rows,
         "masks": masks,
         "indices": torch.tensor([s["index"] for s in samples]),
         "shapes": [s["shape"] for s in samples],
