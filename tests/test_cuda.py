@@ -1,6 +1,7 @@
 """On a CUDA GPU (skipped without one; bench/gpu_check.sh runs them): a fp16 autocast step with
 GradScaler against the float32 step, an AMP run resumed from its checkpoint against the
-uninterrupted run, channels_last against contiguous, val.py and predict.py on the GPU against the
+uninterrupted run, channels_last against contiguous, the classifier's batched augmentation on the
+GPU against the CPU, val.py and predict.py on the GPU against the
 CPU and yolov5, and SyncBatchNorm in a one-rank process group. Tolerances are stated per test;
 what was measured on an H200 is in README's GPU section."""
 
@@ -14,7 +15,7 @@ import torch.nn as nn
 from test_predict import agreement
 from test_train import read_csv
 
-from yolo_min import checkpoint, dist, predictor, trainer, validator
+from yolo_min import checkpoint, cls_augment, dist, predictor, trainer, validator
 from yolo_min.datasets import YOLODataset, build_dataloader, load_data_config
 from yolo_min.models import Model, amp_dtype
 
@@ -166,6 +167,20 @@ def test_fixture_outputs_in_float32(fixtures_dir, monkeypatch):
 
 
 @pytest.mark.slow
+def test_classify_augmentation_on_the_gpu_matches_the_cpu():
+    """cls_augment on a batch in GPU memory stays there and makes the CPU's images: the same draws,
+    so whole numbers 0-255 that differ only where float rounding moves a value across .5 (by 1)."""
+    torch.manual_seed(0)
+    images = torch.randint(0, 256, (16, 3, 64, 64), dtype=torch.uint8)
+    sizes = [(40 + k, 70 - k) for k in range(16)]
+    keys = [(0, 2, k) for k in range(16)]
+    cpu = cls_augment.augment(images, sizes, keys)
+    gpu = cls_augment.augment(images.to(GPU), sizes, keys)
+    assert gpu.device == GPU and gpu.dtype == cpu.dtype
+    difference = (gpu.cpu() - cpu).abs()
+    assert difference.max() <= 1 and (difference > 0).float().mean() < 0.01
+
+
 def test_val_on_the_gpu_agrees_with_the_cpu(fixtures_dir, tmp_path):
     """val.py on the GPU (--amp auto: fp16) and on the CPU in float32 score yolov5-trained YOLOv5n
     and YOLOv5n-seg on the shapes val images within 0.005 mAP."""
