@@ -457,7 +457,9 @@ class ClassifyDataset(ImageFolder):
             image = center_square(image)
         # The functional resize: v2.Compose's per-call overhead was twice the 64 px resize.
         image = v2.functional.resize(image, [self.imgsz, self.imgsz])
-        return v2.functional.pil_to_tensor(image), shape
+        # pil_to_tensor's (3, h, w) is a view of PIL's (h, w, 3) pixels: stacking 64 of them at
+        # 64 px took 0.27 ms, 0.03 once they are laid out as they are indexed
+        return v2.functional.pil_to_tensor(image).contiguous(), shape
 
     def __getitem__(self, key):
         """key: an index, or EpochSampler's (seed, epoch, index): the same sample for any (the
