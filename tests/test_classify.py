@@ -154,6 +154,8 @@ def test_transforms(tmp_path):
     train = ClassifyDataset(root, imgsz=48, augment=True, verbose=False)
     whole = train[(0, 1, 0)]["image"]  # the whole image stretched, for cls_augment's crops
     assert whole.shape == (3, 48, 48) and whole.dtype == torch.uint8
+    # laid out as indexed (not a view of PIL's (h, w, 3)): a batch is stacked without a reorder
+    assert whole.is_contiguous() and s["image"].is_contiguous()
     assert whole[:, :, :10].max() == 0 and whole[:, :, 19:29].min() == 255  # black sides kept
     assert torch.equal(train[(5, 0, 0)]["image"], whole)  # no randomness in the workers
     assert train[0]["shape"] == (40, 100)
