@@ -9,11 +9,13 @@ Each case (task x imgsz) runs in a fresh child process:
               iterations (the first of each, waiting for the workers, is left out); no validation.
 Classify (cls224, cls64): batches of 64, Adam; data: coco128's photos as an ImageFolder (1024
 copies, 3 classes) at 224, the embedded shapes-cls (1200 crops of 37-70 px) at 64.
-The two alternate (model-only, loop, model-only, loop, model-only), so a machine that speeds up or
-slows down meanwhile affects both sides alike. --amp off / auto: both sides in float32 (contiguous)
-or as train.py --amp auto runs (bfloat16 autocast and channels_last on a CPU with native bf16).
-Prints img/s of both, their ratio and the peak RSS of the training process during the loop. Asserts
-nothing. Figures on a shared machine move by +-7% between runs: --repeat N runs each case N times.
+The two alternate (model-only, loop, model-only, ... --rounds loops, model-only), so a machine that
+speeds up or slows down meanwhile affects both sides alike. --amp off / auto: both sides in float32
+(contiguous) or as train.py --amp auto runs (bfloat16 autocast and channels_last on a CPU with
+native bf16). Prints the median img/s of both, the median over the rounds of the loop's rate over
+the model-only runs that bracket it, and the peak RSS of the training process during the loops.
+Asserts nothing. Figures on a shared machine move by +-7% between runs (single rounds by more):
+--repeat N runs each case N times, --rounds more loops in each.
 --layouts: model-only only, fp32 / bf16 x contiguous / channels_last, interleaved in one process.
 --e2e: end to end, `train.py` as a user runs it (3 epochs of coco128 det at 320, batch 16, 2
 workers, validation and checkpoints), --amp off against auto, alternating, wall time of each
@@ -28,8 +30,8 @@ scratch) on a copy of the same ImageFolder; it augments only with albumentations
 --ddp adds det at 320 under torchrun, 2 processes x 1 thread (1 worker each), against 1 x 2 threads.
 
     python bench/bench_train.py [--cases det320 seg320 det640 seg640 cls224 cls64] [--amp off auto]
-                                [--iters 8] [--repeat 1] [--layouts] [--e2e] [--cls-e2e]
-                                [--yolov5 DIR] [--ddp]
+                                [--iters 8] [--repeat 1] [--rounds 2] [--layouts] [--e2e]
+                                [--cls-e2e] [--yolov5 DIR] [--ddp]
 """
 
 import argparse
@@ -170,7 +172,9 @@ def peak_rss_gb(reset: bool = False) -> float:
 
 def one_case(task: str, imgsz: int, iters: int, amp: str = "off", rounds: int = 2) -> dict:
     """Model-only and the full loop (2 epochs) alternate, model-only first and last: {"case",
-    "amp", "loop", "model_only" (mean img/s of each), "rss_gb" (the loops' peak RSS)}."""
+    "amp", "loop", "model_only" (median img/s of each), "ratio" (the median over the rounds of
+    the loop's rate over the mean of the model-only runs before and after it), "rss_gb" (the
+    loops' peak RSS)}."""
     from yolo_min import trainer
     from yolo_min.models import amp_dtype
 
@@ -190,10 +194,20 @@ def one_case(task: str, imgsz: int, iters: int, amp: str = "off", rounds: int = 
             args = ["--cfg", cfg, "--data", str(data), "--imgsz", str(imgsz), "--amp", amp]
             args += ["--batch-size", batch, "--workers", "2", "--epochs", "2", "--noval"]
             args += ["--noautoanchor", "--log-every", "100", "--project", tmp]
-            loops += trainer.main(trainer.get_args_parser().parse_args(args))["img_s"]
+            epochs = trainer.main(trainer.get_args_parser().parse_args(args))["img_s"]
+            loops.append(statistics.mean(epochs))
             rss = max(rss, peak_rss_gb())
-    loop, model = statistics.mean(loops), statistics.mean(models)
-    return {"case": f"{task}{imgsz}", "amp": amp, "loop": loop, "model_only": model, "rss_gb": rss}
+    # each loop against the model-only runs that bracket it: a drift of the machine's speed
+    # cancels, and the median leaves out a round that a burst of noise hit
+    ratios = [loop / statistics.mean(models[r : r + 2]) for r, loop in enumerate(loops)]
+    return {
+        "case": f"{task}{imgsz}",
+        "amp": amp,
+        "loop": statistics.median(loops),
+        "model_only": statistics.median(models),
+        "ratio": statistics.median(ratios),
+        "rss_gb": rss,
+    }
 
 
 def layouts_case(task: str, imgsz: int, iters: int, rounds: int = 2) -> dict:
@@ -208,10 +222,11 @@ def layouts_case(task: str, imgsz: int, iters: int, rounds: int = 2) -> dict:
     return {"case": f"{task}{imgsz}"} | {k: statistics.mean(v) for k, v in rates.items()}
 
 
-def run_case(case: str, iters: int = 8, amp: str = "off", layouts: bool = False) -> dict:
+def run_case(case: str, iters: int = 8, amp: str = "off", layouts: bool = False, rounds=2) -> dict:
     """One case ("det320", "seg640", ...) in a fresh child process: one_case's (or with layouts,
     layouts_case's) dict, or {"case", "error"} when it failed."""
     cmd = [sys.executable, __file__, "--one", case, "--iters", str(iters), "--amp", amp]
+    cmd += ["--rounds", str(rounds)]
     r = subprocess.run([*cmd, *(["--layouts"] if layouts else [])], capture_output=True, text=True)
     line = next((ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")), None)
     return json.loads(line[7:]) if line else {"case": case, "error": r.stderr[-500:]}
@@ -340,6 +355,7 @@ def main() -> None:
     p.add_argument("--amp", nargs="+", default=["off", "auto"], help="train.py --amp values")
     p.add_argument("--iters", type=int, default=8, help="model-only steps timed, per measurement")
     p.add_argument("--repeat", type=int, default=1, help="runs of each case")
+    p.add_argument("--rounds", type=int, default=2, help="loop runs in a case, between model-only")
     p.add_argument("--layouts", action="store_true", help="model-only fp32/bf16 x layouts only")
     p.add_argument("--e2e", action="store_true", help="end to end: 3 epochs det 320, off vs auto")
     p.add_argument("--cls-e2e", action="store_true", help="end to end: 10 epochs shapes-cls 64")
@@ -352,7 +368,7 @@ def main() -> None:
         if args.layouts:
             res = layouts_case(task, imgsz, args.iters)
         else:
-            res = one_case(task, imgsz, args.iters, args.amp[0])
+            res = one_case(task, imgsz, args.iters, args.amp[0], args.rounds)
         print("RESULT " + json.dumps(res), flush=True)
         return
     if not DATA.exists():
@@ -367,15 +383,15 @@ def main() -> None:
         print(f"{head} {'loop/model':>11s} {'peak RSS':>9s}")
     for case in cases:
         for amp in ["on"] if args.layouts else args.amp:
-            res = run_case(case, args.iters, amp, args.layouts)
+            res = run_case(case, args.iters, amp, args.layouts, args.rounds)
             if "error" in res:
                 print(f"{case:8s} failed: {res['error']}")
             elif args.layouts:
                 rates = "  ".join(f"{res[k]:7.2f}" for k in LAYOUTS)
                 print(f"{case:8s} {rates}  (load {os.getloadavg()[0]:.1f})", flush=True)
             else:
-                ratio, load = res["loop"] / res["model_only"], os.getloadavg()[0]
-                rates = f"{res['loop']:11.2f} {res['model_only']:17.2f} {ratio:11.1%}"
+                load = os.getloadavg()[0]
+                rates = f"{res['loop']:11.2f} {res['model_only']:17.2f} {res['ratio']:11.1%}"
                 print(f"{case:8s} {amp:5s} {rates} {res['rss_gb']:8.2f}G  (load {load:.1f})")
     if args.e2e:
         e = end_to_end(args.amp, args.repeat, yolov5=args.yolov5)

@@ -80,7 +80,7 @@ def augment(images, sizes, keys):
     jittered = upload(jittered, dtype=torch.long)
     # Only the jittered half pays for the colour arithmetic and the clamp (a crop of a uint8
     # image stays within 0-255).
-    x[jittered] = jitter(x[jittered], factors).clamp_(0, 255)
+    x[jittered] = jitter(x.index_select(0, jittered), factors).clamp_(0, 255)
     return x.round_()
 
 
