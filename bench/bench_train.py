@@ -3,8 +3,8 @@ and cls.
 
 Each case (task x imgsz) runs in a fresh child process:
   model-only  forward + loss + backward + optimizer step on 16-image batches taken from the same
-              dataset beforehand (no data loading, no EMA, no logging), 8 steps after a warm-up one
-              and at least 1 s.
+              dataset beforehand (no data loading, no EMA, no logging), 8 steps after 3 warm-up
+              ones and at least 1 s.
   full loop   train.main on coco128 (or coco128-seg), batch 16, 2 workers, 2 epochs of 8
               iterations (the first of each, waiting for the workers, is left out); no validation.
 Classify (cls224, cls64): batches of 64, Adam; data: coco128's photos as an ImageFolder (1024
@@ -17,6 +17,10 @@ the model-only runs that bracket it, and the peak RSS of the training process du
 Asserts nothing. Figures on a shared machine move by +-7% between runs (single rounds by more):
 --repeat N runs each case N times, --rounds more loops in each.
 --layouts: model-only only, fp32 / bf16 x contiguous / channels_last, interleaved in one process.
+--interleaved (cls cases): step by step in one process, a model-only step then a loop step (the
+next training batch from the loader, its augmentation, the step with EMA), at least 40 pairs:
+median ms of each and the median ratio of the pairs, immune to the machine's drift; the real
+loop's logging, loss sync and epoch ends are left out.
 --e2e: end to end, `train.py` as a user runs it (3 epochs of coco128 det at 320, batch 16, 2
 workers, validation and checkpoints), --amp off against auto, alternating, wall time of each
 (--repeat rounds); --yolov5 DIR adds yolov5's own train.py, same job, to the alternation (run it
@@ -30,8 +34,8 @@ scratch) on a copy of the same ImageFolder; it augments only with albumentations
 --ddp adds det at 320 under torchrun, 2 processes x 1 thread (1 worker each), against 1 x 2 threads.
 
     python bench/bench_train.py [--cases det320 seg320 det640 seg640 cls224 cls64] [--amp off auto]
-                                [--iters 8] [--repeat 1] [--rounds 2] [--layouts] [--e2e]
-                                [--cls-e2e] [--yolov5 DIR] [--ddp]
+                                [--iters 8] [--repeat 1] [--rounds 2] [--layouts]
+                                [--interleaved] [--e2e] [--cls-e2e] [--yolov5 DIR] [--ddp]
 """
 
 import argparse
@@ -127,7 +131,7 @@ def step_setup(task: str, imgsz: int, data: Path, n_batches: int, batch=16, devi
 
 
 def model_only(setup, iters: int, amp="off", channels_last=False, device="cpu", min_seconds=0.0):
-    """img/s of forward + loss + backward + step on pre-made batches (one warm-up step first), at
+    """img/s of forward + loss + backward + step on pre-made batches (3 warm-up steps first), at
     least `iters` steps and `min_seconds` s, the forward under train.py's autocast for --amp `amp`
     on device (CUDA: fp16 with a GradScaler), the model in channels_last or not, freed memory
     kept as the trainer keeps it."""
@@ -147,7 +151,10 @@ def model_only(setup, iters: int, amp="off", channels_last=False, device="cpu", 
         trainer.optimizer_step(model, opt, scaler, None)
 
     with trainer.freed_memory_kept():
-        step(batches[0])
+        # After the loop's malloc_trim, the first two steps fault their memory in again (a 224 px
+        # classify step: 500-600 ms against 300).
+        for k in range(3):
+            step(batches[k % len(batches)])
         sync()
         t0 = time.perf_counter()
         steps = 0
@@ -222,12 +229,69 @@ def layouts_case(task: str, imgsz: int, iters: int, rounds: int = 2) -> dict:
     return {"case": f"{task}{imgsz}"} | {k: statistics.mean(v) for k, v in rates.items()}
 
 
-def run_case(case: str, iters: int = 8, amp: str = "off", layouts: bool = False, rounds=2) -> dict:
-    """One case ("det320", "seg640", ...) in a fresh child process: one_case's (or with layouts,
-    layouts_case's) dict, or {"case", "error"} when it failed."""
+def interleaved_case(imgsz: int, steps: int, amp: str = "auto") -> dict:
+    """Classify: a model-only step on a pre-made batch, then a loop step (the next batch from the
+    training loader, augmented as train_one_epoch does, the optimizer step with EMA), alternating
+    `steps` times in one process; an epoch's last, smaller batch is left out: {"case", "amp",
+    "model_only", "loop" (median ms a step), "ratio" (the median of model-only step / loop step
+    over the pairs)}. A pair's two steps run a few ms apart: the machine's drift cancels."""
+    from yolo_min import cls_augment, trainer
+    from yolo_min.datasets import ClassifyDataset, build_dataloader
+    from yolo_min.models import ModelEMA, amp_dtype
+
+    device = torch.device("cpu")
+    dtype = amp_dtype(device, amp)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    with tempfile.TemporaryDirectory() as tmp:
+        data = cls_folder(Path(tmp), imgsz)
+        model, crit, opt, batches = step_setup("cls", imgsz, data, 8)
+        model.to(memory_format=torch.channels_last if dtype else torch.contiguous_format)
+        ema = ModelEMA(model)
+        # as train.py --cache auto: in RAM where they fit, then batched by this process
+        train = ClassifyDataset(Path(data) / "train", imgsz, True, verbose=False, cache="auto")
+        loader, sampler = build_dataloader(train, 64, 2)
+
+        def step(batch, average=None):
+            loss, _ = trainer.forward_loss(model, crit, batch, device, dtype)
+            scaler.scale(loss).backward()
+            trainer.optimizer_step(model, opt, scaler, average)
+
+        def loop_batches():
+            for epoch in range(10**6):
+                sampler.set_epoch(epoch)
+                for batch in loader:
+                    if len(batch["indices"]) == 64:
+                        cls_augment.augment_batch(batch, seed=0, epoch=epoch, device=device)
+                        yield batch
+
+        pairs = []
+        with trainer.freed_memory_kept():
+            source = loop_batches()
+            for k in range(steps + 1):
+                t0 = time.perf_counter()
+                step(batches[k % len(batches)])
+                t1 = time.perf_counter()
+                step(next(source), ema)
+                # the first pair warms up
+                if k:
+                    pairs.append((t1 - t0, time.perf_counter() - t1))
+    model_ms, loop_ms = (1000 * statistics.median(side) for side in zip(*pairs))
+    ratio = statistics.median(model / loop for model, loop in pairs)
+    return {
+        "case": f"cls{imgsz}",
+        "amp": amp,
+        "model_only": model_ms,
+        "loop": loop_ms,
+        "ratio": ratio,
+    }
+
+
+def run_case(case: str, iters: int = 8, amp: str = "off", mode: str = "loop", rounds=2) -> dict:
+    """One case ("det320", "seg640", ...) in a fresh child process: one_case's (mode "layouts":
+    layouts_case's, "interleaved": interleaved_case's) dict, or {"case", "error"} if it failed."""
     cmd = [sys.executable, __file__, "--one", case, "--iters", str(iters), "--amp", amp]
-    cmd += ["--rounds", str(rounds)]
-    r = subprocess.run([*cmd, *(["--layouts"] if layouts else [])], capture_output=True, text=True)
+    cmd += ["--rounds", str(rounds), *([f"--{mode}"] if mode != "loop" else [])]
+    r = subprocess.run(cmd, capture_output=True, text=True)
     line = next((ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")), None)
     return json.loads(line[7:]) if line else {"case": case, "error": r.stderr[-500:]}
 
@@ -357,6 +421,7 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=1, help="runs of each case")
     p.add_argument("--rounds", type=int, default=2, help="loop runs in a case, between model-only")
     p.add_argument("--layouts", action="store_true", help="model-only fp32/bf16 x layouts only")
+    p.add_argument("--interleaved", action="store_true", help="cls: model-only / loop step pairs")
     p.add_argument("--e2e", action="store_true", help="end to end: 3 epochs det 320, off vs auto")
     p.add_argument("--cls-e2e", action="store_true", help="end to end: 10 epochs shapes-cls 64")
     p.add_argument("--yolov5", help="--e2e, --cls-e2e: time this yolov5 checkout alongside")
@@ -367,6 +432,8 @@ def main() -> None:
         task, imgsz = args.one[:3], int(args.one[3:])
         if args.layouts:
             res = layouts_case(task, imgsz, args.iters)
+        elif args.interleaved:
+            res = interleaved_case(imgsz, max(args.iters, 40), args.amp[0])
         else:
             res = one_case(task, imgsz, args.iters, args.amp[0], args.rounds)
         print("RESULT " + json.dumps(res), flush=True)
@@ -376,19 +443,25 @@ def main() -> None:
     threads, load = torch.get_num_threads(), os.getloadavg()[0]
     print(f"torch {torch.__version__}, {threads} threads, {os.cpu_count()} CPUs, load {load:.1f}")
     cases = [c for c in args.cases for _ in range(args.repeat)]
+    mode = "layouts" if args.layouts else "interleaved" if args.interleaved else "loop"
     if args.layouts:
         print("model-only img/s: " + ", ".join(LAYOUTS))
+    elif args.interleaved:
+        print(f"{'case':8s} {'amp':5s} {'loop ms':>8s} {'model-only ms':>14s} {'model/loop':>11s}")
     else:
         head = f"{'case':8s} {'amp':5s} {'loop img/s':>11s} {'model-only img/s':>17s}"
         print(f"{head} {'loop/model':>11s} {'peak RSS':>9s}")
     for case in cases:
         for amp in ["on"] if args.layouts else args.amp:
-            res = run_case(case, args.iters, amp, args.layouts, args.rounds)
+            res = run_case(case, args.iters, amp, mode, args.rounds)
             if "error" in res:
                 print(f"{case:8s} failed: {res['error']}")
             elif args.layouts:
                 rates = "  ".join(f"{res[k]:7.2f}" for k in LAYOUTS)
                 print(f"{case:8s} {rates}  (load {os.getloadavg()[0]:.1f})", flush=True)
+            elif args.interleaved:
+                times = f"{res['loop']:8.2f} {res['model_only']:14.2f} {res['ratio']:11.1%}"
+                print(f"{case:8s} {amp:5s} {times}  (load {os.getloadavg()[0]:.1f})", flush=True)
             else:
                 load = os.getloadavg()[0]
                 rates = f"{res['loop']:11.2f} {res['model_only']:17.2f} {res['ratio']:11.1%}"

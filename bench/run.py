@@ -90,7 +90,7 @@ def measure(quick: bool) -> list[tuple[str, str, str, str]]:
     log("model-only step: fp32 / bf16 x contiguous / channels_last (child processes)")
     figure = "model-only img/s, " + " / ".join(bench_train.LAYOUTS)
     for case in cases:
-        r = bench_train.run_case(case, iters=4 if quick else 8, layouts=True)
+        r = bench_train.run_case(case, iters=4 if quick else 8, mode="layouts")
         rates = " / ".join(f"{r[k]:.1f}" for k in bench_train.LAYOUTS) if "error" not in r else ""
         add(figure, f"{case[:3]} {case[3:]}", rates or "failed")
 
