@@ -40,6 +40,7 @@ scratch) on a copy of the same ImageFolder; it augments only with albumentations
 
 import argparse
 import ctypes
+import itertools
 import json
 import os
 import re
@@ -257,7 +258,7 @@ def interleaved_case(imgsz: int, steps: int, amp: str = "auto") -> dict:
             trainer.optimizer_step(model, opt, scaler, average)
 
         def loop_batches():
-            for epoch in range(10**6):
+            for epoch in itertools.count():
                 sampler.set_epoch(epoch)
                 for batch in loader:
                     if len(batch["indices"]) == 64:

@@ -1,9 +1,9 @@
 """On a CUDA GPU (skipped without one; bench/gpu_check.sh runs them): a fp16 autocast step with
 GradScaler against the float32 step, an AMP run resumed from its checkpoint against the
 uninterrupted run, channels_last against contiguous, the classifier's batched augmentation on the
-GPU against the CPU, val.py and predict.py on the GPU against the
-CPU and yolov5, and SyncBatchNorm in a one-rank process group. Tolerances are stated per test;
-what was measured on an H200 is in README's GPU section."""
+GPU against the CPU, val.py and predict.py on the GPU against the CPU and yolov5, and
+SyncBatchNorm in a one-rank process group. Tolerances are stated per test; what was measured on an
+H200 is in README's GPU section."""
 
 import copy
 from pathlib import Path
@@ -166,7 +166,6 @@ def test_fixture_outputs_in_float32(fixtures_dir, monkeypatch):
     torch.testing.assert_close(out, fx["eval_out"], rtol=0, atol=1e-3)
 
 
-@pytest.mark.slow
 def test_classify_augmentation_on_the_gpu_matches_the_cpu():
     """cls_augment on a batch in GPU memory stays there and makes the CPU's images: the same draws,
     so whole numbers 0-255 that differ only where float rounding moves a value across .5 (by 1)."""
@@ -181,6 +180,7 @@ def test_classify_augmentation_on_the_gpu_matches_the_cpu():
     assert difference.max() <= 1 and (difference > 0).float().mean() < 0.01
 
 
+@pytest.mark.slow
 def test_val_on_the_gpu_agrees_with_the_cpu(fixtures_dir, tmp_path):
     """val.py on the GPU (--amp auto: fp16) and on the CPU in float32 score yolov5-trained YOLOv5n
     and YOLOv5n-seg on the shapes val images within 0.005 mAP."""

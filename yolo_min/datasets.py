@@ -409,7 +409,7 @@ class ClassifyDataset(ImageFolder):
         self.imgs = self.samples
         self.targets = [k for _, k in self.samples]
         # a sample's (1, 1) [cls] is a view of these
-        self.labels = torch.tensor(self.targets).view(-1, 1, 1)
+        self.target_rows = torch.tensor(self.targets).view(-1, 1, 1)
         self.stats = {"images": len(checks), "corrupt": len(checks) - len(self.samples)}
         if verbose:
             self.walk.warn(prefix)
@@ -468,7 +468,7 @@ class ClassifyDataset(ImageFolder):
         image, shape = self._ram[i] if self._ram else self.load(i)
         return {
             "image": image,
-            "targets": self.labels[i],
+            "targets": self.target_rows[i],
             "masks": None,
             "path": self.samples[i][0],
             "shape": shape,
