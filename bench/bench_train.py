@@ -131,6 +131,17 @@ def step_setup(task: str, imgsz: int, data: Path, n_batches: int, batch=16, devi
     return model, crit, opt, batches
 
 
+def train_step(setup, batch, device, dtype, scaler, ema=None):
+    """train.py's step on one batch: forward and loss (autocast to dtype), backward, the
+    optimizer step (with the EMA's update if one is given)."""
+    from yolo_min import trainer
+
+    model, criterion, optimizer, _ = setup
+    loss, _ = trainer.forward_loss(model, criterion, batch, device, dtype)
+    scaler.scale(loss).backward()
+    trainer.optimizer_step(model, optimizer, scaler, ema)
+
+
 def model_only(setup, iters: int, amp="off", channels_last=False, device="cpu", min_seconds=0.0):
     """img/s of forward + loss + backward + step on pre-made batches (3 warm-up steps first), at
     least `iters` steps and `min_seconds` s, the forward under train.py's autocast for --amp `amp`
@@ -139,7 +150,7 @@ def model_only(setup, iters: int, amp="off", channels_last=False, device="cpu", 
     from yolo_min import trainer
     from yolo_min.models import amp_dtype
 
-    model, crit, opt, batches = setup
+    model, _, _, batches = setup
     model.to(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
     device = torch.device(device)
     dtype = amp_dtype(device, amp)
@@ -147,9 +158,7 @@ def model_only(setup, iters: int, amp="off", channels_last=False, device="cpu", 
     sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
 
     def step(batch):
-        loss, _ = trainer.forward_loss(model, crit, batch, device, dtype)
-        scaler.scale(loss).backward()
-        trainer.optimizer_step(model, opt, scaler, None)
+        train_step(setup, batch, device, dtype, scaler)
 
     with trainer.freed_memory_kept():
         # After the loop's malloc_trim, the first two steps fault their memory in again (a 224 px
@@ -245,7 +254,8 @@ def interleaved_case(imgsz: int, steps: int, amp: str = "auto") -> dict:
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     with tempfile.TemporaryDirectory() as tmp:
         data = cls_folder(Path(tmp), imgsz)
-        model, crit, opt, batches = step_setup("cls", imgsz, data, 8)
+        setup = step_setup("cls", imgsz, data, 8)
+        model, _, _, batches = setup
         model.to(memory_format=torch.channels_last if dtype else torch.contiguous_format)
         ema = ModelEMA(model)
         # as train.py --cache auto: in RAM where they fit, then batched by this process
@@ -253,9 +263,7 @@ def interleaved_case(imgsz: int, steps: int, amp: str = "auto") -> dict:
         loader, sampler = build_dataloader(train, 64, 2)
 
         def step(batch, average=None):
-            loss, _ = trainer.forward_loss(model, crit, batch, device, dtype)
-            scaler.scale(loss).backward()
-            trainer.optimizer_step(model, opt, scaler, average)
+            train_step(setup, batch, device, dtype, scaler, average)
 
         def loop_batches():
             for epoch in itertools.count():
