@@ -156,20 +156,16 @@ def model_only(setup, iters: int, amp="off", channels_last=False, device="cpu", 
     dtype = amp_dtype(device, amp)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
-
-    def step(batch):
-        train_step(setup, batch, device, dtype, scaler)
-
     with trainer.freed_memory_kept():
         # After the loop's malloc_trim, the first two steps fault their memory in again (a 224 px
         # classify step: 500-600 ms against 300).
         for k in range(3):
-            step(batches[k % len(batches)])
+            train_step(setup, batches[k % len(batches)], device, dtype, scaler)
         sync()
         t0 = time.perf_counter()
         steps = 0
         while steps < iters or time.perf_counter() - t0 < min_seconds:
-            step(batches[(steps + 1) % len(batches)])
+            train_step(setup, batches[(steps + 1) % len(batches)], device, dtype, scaler)
             steps += 1
         sync()
     return steps * len(batches[0]["images"]) / (time.perf_counter() - t0)
@@ -262,9 +258,6 @@ def interleaved_case(imgsz: int, steps: int, amp: str = "auto") -> dict:
         train = ClassifyDataset(Path(data) / "train", imgsz, True, verbose=False, cache="auto")
         loader, sampler = build_dataloader(train, 64, 2)
 
-        def step(batch, average=None):
-            train_step(setup, batch, device, dtype, scaler, average)
-
         def loop_batches():
             for epoch in itertools.count():
                 sampler.set_epoch(epoch)
@@ -278,9 +271,9 @@ def interleaved_case(imgsz: int, steps: int, amp: str = "auto") -> dict:
             source = loop_batches()
             for k in range(steps + 1):
                 t0 = time.perf_counter()
-                step(batches[k % len(batches)])
+                train_step(setup, batches[k % len(batches)], device, dtype, scaler)
                 t1 = time.perf_counter()
-                step(next(source), ema)
+                train_step(setup, next(source), device, dtype, scaler, ema)
                 # the first pair warms up
                 if k:
                     pairs.append((t1 - t0, time.perf_counter() - t1))
