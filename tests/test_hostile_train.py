@@ -6,6 +6,7 @@ folder; no input may hang a run or take unbounded memory.
 Errors are checked in-process through cli.run_command (train.py's exit code and stderr line);
 two tests launch train.py, where a second process or a signal to a process group is the point."""
 
+import multiprocessing
 import os
 import signal
 import socket
@@ -573,6 +574,39 @@ def test_a_second_process_is_refused_and_sigterm_to_the_group_is_one_line(tiny, 
     assert not (run / checkpoint.LOCK_FILE).exists()
     for name in ("weights/last.pt", "results.csv"):
         assert after[name] == before[name], name
+
+
+def test_a_worker_stopped_inside_a_lock_it_shares_releases_it_before_it_exits():
+    """SIGTERM reaches a data worker while it holds the lock of a multiprocessing Event (as the
+    DataLoader's done event, which the main process sets to end the workers): the worker exits,
+    with code 0, only once it has let the lock go, so the main process can still take it."""
+    context = multiprocessing.get_context("fork")
+    event = context.Event()
+    condition = event._cond
+    # A sleeper that never wakes: set() then waits for it inside the lock.
+    condition._sleeping_count.release()
+
+    def worker():
+        datasets.yield_cpu(0)
+        event.set()
+
+    p = context.Process(target=worker)
+    p.start()
+    try:
+        # set() hands the sleeper its wake-up only while holding the lock
+        assert condition._wait_semaphore.acquire(timeout=60)
+        os.kill(p.pid, signal.SIGTERM)
+        time.sleep(1)
+        assert p.is_alive()
+        # the sleeper wakes: set() returns, the lock is let go and the worker exits
+        condition._woken_count.release()
+        p.join(timeout=60)
+        assert p.exitcode == 0
+        assert condition._lock.acquire(timeout=10)
+        condition._lock.release()
+    finally:
+        if p.is_alive():
+            p.kill()
 
 
 def test_a_worker_is_quiet_when_its_main_process_breaks_a_transfer_off():

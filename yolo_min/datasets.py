@@ -515,13 +515,35 @@ def quiet_lost_connection(kind, error, trace):
         sys.__excepthook__(kind, error, trace)
 
 
+def exit_outside_locks(signum, frame):
+    """A data worker's SIGTERM handler: exit with code 0 at once, or, inside multiprocessing's
+    locks (which it shares with the main process), as it returns from them."""
+    # The main process ends the workers by setting their loader's done event, whose lock a worker
+    # takes to read it: a worker gone while holding it left the main process waiting forever.
+    if in_locks(frame):
+        sys.setprofile(exit_on_return)
+    else:
+        os._exit(0)
+
+
+def exit_on_return(frame, event, arg):
+    """The profile hook of a worker stopped inside multiprocessing's locks (see above)."""
+    if event == "return" and in_locks(frame) and not in_locks(frame.f_back):
+        os._exit(0)
+
+
+def in_locks(frame):
+    """Whether a Python frame runs multiprocessing's locks, events or conditions."""
+    return frame is not None and frame.f_globals.get("__name__") == "multiprocessing.synchronize"
+
+
 def yield_cpu(worker_id):
     """Data workers at the lowest priority, quiet when the run is stopped (worker_init_fn)."""
     # Ctrl-C and `kill -TERM -pgid` (timeout, systemd, SLURM) reach the whole process group: the
     # main process says it once and ends the workers; a worker neither prints a traceback nor dies
     # by the signal (which the main process would report as a crashed worker)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(0))
+    signal.signal(signal.SIGTERM, exit_outside_locks)
     # A main process stopped mid-transfer breaks the connection through which a worker hands it a
     # batch's shared memory, and the worker's thread serving it would print that as a traceback.
     sys.excepthook = quiet_lost_connection
