@@ -99,7 +99,7 @@ def crop_grid(boxes, flips, side):
 
 def jitter(x, factors):
     """float (n,3,S,S) 0-255 with each image's (brightness, contrast, saturation) factors (n,3)
-    applied -> float (n,3,S,S), not clamped."""
+    applied in place -> x, not clamped."""
     brightness, contrast, saturation = factors.T[..., None, None, None]
     # torchvision's saturation, contrast and brightness are linear maps that commute, so they
     # are one map, clamped once (torchvision clamps after each: it differs where a pixel
@@ -107,9 +107,9 @@ def jitter(x, factors):
     # its mean gray (which saturation leaves as it is).
     gray = rgb_to_grayscale(x)
     mean = gray.mean((1, 2, 3), keepdim=True)
-    x = torch.lerp(gray, x, saturation)
-    x = torch.lerp(mean, x, contrast)
-    return brightness * x
+    torch.lerp(gray, x, saturation, out=x)
+    torch.lerp(mean, x, contrast, out=x)
+    return x.mul_(brightness)
 
 
 def augment_batch(batch, seed, epoch, device):
