@@ -7,8 +7,9 @@ import torch.nn.functional as F
 import torchvision
 import yaml
 
-from yolo_min.losses import YOLOLoss, bbox_ciou, mask_loss, mask_loss_fast, scale_hyp
+from yolo_min.losses import YOLOLoss, bbox_ciou, mask_loss_fast, scale_hyp
 from yolo_min.models import CFG_DIR, Model
+from yolo_min.ops import xywh2xyxy
 
 DEFAULT_HYP = yaml.safe_load((CFG_DIR / "hyp.scratch-low.yaml").read_text())
 
@@ -342,6 +343,37 @@ def loss_and_gradients(crit, preds, targets, masks):
     loss, items = crit((maps, protos), targets, masks)
     loss.backward()
     return items, [p.grad for p in maps] + [protos.grad]
+
+
+def mask_loss(levels, protos, masks):
+    """yolov5's mask loss, plainly: the reference of YOLOLoss's mask_loss_fast. Summed over levels
+    and images, the mean over the image's positives at that level of the BCE-with-logits of the
+    predicted mask (coefs @ protos) against the target's mask, cropped to its box, mean over the
+    map, divided by the normalised box area.
+
+    levels: MaskPositives per level with positives; protos: (bs, nm, mh, mw); masks: (bs, mh, mw)
+    overlap index maps (see yolo_min.losses.mask_values)."""
+    _, _, mask_h, mask_w = protos.shape
+    rows = torch.arange(mask_h, device=protos.device)[:, None]
+    cols = torch.arange(mask_w, device=protos.device)
+    total = protos.new_zeros(())
+    for level in levels:
+        for image in level.image.unique().tolist():
+            mine = level.image == image
+            box = level.box[mine]
+            logits = (level.coefs[mine] @ protos[image].flatten(1)).view(-1, mask_h, mask_w)
+            value = level.mask_value[mine].view(-1, 1, 1)
+            target_mask = (masks[image] == value).float()
+            bce = F.binary_cross_entropy_with_logits(logits, target_mask, reduction="none")
+            # A pixel is in the box when x1 <= column < x2 and y1 <= row < y2, in mask pixels.
+            pixel_box = xywh2xyxy(box * box.new_tensor([mask_w, mask_h] * 2))
+            x1, y1, x2, y2 = pixel_box.T[..., None, None]
+            in_columns = (cols >= x1) & (cols < x2)
+            in_rows = (rows >= y1) & (rows < y2)
+            per_positive = (bce * (in_columns & in_rows)).mean((1, 2))
+            area = box[:, 2:].prod(1)
+            total = total + (per_positive / area).mean()
+    return total
 
 
 def test_fast_mask_loss_equals_the_plain_one(fixtures_dir):

@@ -119,36 +119,6 @@ def mask_values(images, batch_size):
     return (onehot.cumsum(0) * onehot).sum(1)
 
 
-def mask_loss(levels, protos, masks):
-    """yolov5's mask loss, plainly: summed over levels and images, the mean over the image's
-    positives at that level of the BCE-with-logits of the predicted mask (coefs @ protos) against
-    the target's mask, cropped to its box, mean over the map, divided by the normalised box area.
-
-    levels: MaskPositives per level with positives; protos: (bs, nm, mh, mw); masks: (bs, mh, mw)
-    overlap index maps (see mask_values)."""
-    _, _, mask_h, mask_w = protos.shape
-    rows = torch.arange(mask_h, device=protos.device)[:, None]
-    cols = torch.arange(mask_w, device=protos.device)
-    total = protos.new_zeros(())
-    for level in levels:
-        for image in level.image.unique().tolist():
-            mine = level.image == image
-            box = level.box[mine]
-            logits = (level.coefs[mine] @ protos[image].flatten(1)).view(-1, mask_h, mask_w)
-            value = level.mask_value[mine].view(-1, 1, 1)
-            target_mask = (masks[image] == value).float()
-            bce = F.binary_cross_entropy_with_logits(logits, target_mask, reduction="none")
-            # A pixel is in the box when x1 <= column < x2 and y1 <= row < y2, in mask pixels.
-            pixel_box = xywh2xyxy(box * box.new_tensor([mask_w, mask_h] * 2))
-            x1, y1, x2, y2 = pixel_box.T[..., None, None]
-            in_columns = (cols >= x1) & (cols < x2)
-            in_rows = (rows >= y1) & (rows < y2)
-            per_positive = (bce * (in_columns & in_rows)).mean((1, 2))
-            area = box[:, 2:].prod(1)
-            total = total + (per_positive / area).mean()
-    return total
-
-
 def _runs(lengths):
     """Runs of the given lengths (r,) laid end to end: each element's run, and its place in it."""
     run = torch.repeat_interleave(lengths)
@@ -158,13 +128,18 @@ def _runs(lengths):
 
 
 def mask_loss_fast(levels, protos, masks):
-    """mask_loss from the pixels inside the boxes alone, which YOLOLoss uses; arguments as
-    mask_loss's. Equal to it to float rounding: its sums associate differently (tests/test_losses.py
-    checks the loss and its gradients).
+    """yolov5's mask loss: summed over levels and images, the mean over the image's positives at
+    that level of the BCE-with-logits of the predicted mask (coefs @ protos) against the target's
+    mask, cropped to its box, mean over the map, divided by the normalised box area.
 
-    Faster: on bench/bench_loss.py's batch (yolov5n-seg at 320 px, batch 16, 320 targets; CPU,
-    loss forward + backward, both in one run, best of 6) the mask term takes 0.65 s instead of
-    2.3 s (3.5x), the whole YOLOLoss 0.74 s instead of 2.4 s (3.2x).
+    levels: MaskPositives per level with positives; protos: (bs, nm, mh, mw); masks: (bs, mh, mw)
+    overlap index maps (see mask_values).
+
+    Computed from the pixels inside the boxes alone: equal to the plain per-image loss (mask_loss
+    in tests/test_losses.py, which checks the loss and its gradients) to float rounding, as its
+    sums associate differently. Faster: on bench/bench_loss.py's batch (yolov5n-seg at 320 px,
+    batch 16, 320 targets; CPU, loss forward + backward, both in one run, best of 6) the mask term
+    takes 0.65 s instead of 2.3 s (3.5x), the whole YOLOLoss 0.74 s instead of 2.4 s (3.2x).
 
     A box is a small part of the map: the loss lists its pixels as (positive, pixel) pairs and
     takes the BCE at those only, with one matmul per image for the positives of every level."""
@@ -232,7 +207,7 @@ class YOLOLoss:
         (bs, nm, Hp, Wp)). targets: (N, 6) [img_idx, cls, cx, cy, w, h], xywh normalised.
     masks (segment): (bs, Hm, Wm) overlap index maps, value k = the image's k-th target (1-based).
     items: detached per-image means; loss = sum(items) * bs * world_size. The mask term is
-    `self.mask_loss`: mask_loss_fast, equal to the plain mask_loss and faster."""
+    `self.mask_loss`: mask_loss_fast (tests swap in a plain reference)."""
 
     def __init__(self, model, hyp, world_size=1):
         # The head's anchors are read at each call: AutoAnchor may change them.
@@ -253,7 +228,7 @@ class YOLOLoss:
         smoothing = hyp["label_smoothing"]
         self.class_positive = 1.0 - 0.5 * smoothing
         self.class_negative = 0.5 * smoothing
-        # mask_loss_fast, equal to the plain mask_loss, ~3.5x faster (see its docstring).
+        # ~3.5x faster than the plain per-image loss it equals (see its docstring).
         self.mask_loss = mask_loss_fast
 
     def _bce(self, logits, target, pos_weight):
