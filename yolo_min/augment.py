@@ -176,7 +176,7 @@ def place_labels(
     after = []
     polygons = []
     for piece, label, shift in zip(pieces, labels, shifts):
-        has_polygons = len(label["segments"]) > 0
+        has_polygons = bool(label["segments"])
         points = _canvas_points(piece, label, shift)
         before.append(np.concatenate([points.min(1), points.max(1)], 1))
         projected = _project(M, points)
@@ -196,7 +196,7 @@ def _canvas_points(piece, label, shift):
     """A label's polygons (NPTS points each) or boxes (their 4 corners) in canvas px, clamped to
     the piece's visible part -> (n, points, 2) [x, y]."""
     height, width = label["shape"]
-    if len(label["segments"]) > 0:
+    if label["segments"]:
         points = resample(label["segments"])
     else:
         points = box_corners(xywh2xyxy(label["bboxes"]))

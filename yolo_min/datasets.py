@@ -211,7 +211,7 @@ class YOLODataset(Dataset):
 
     def check_polygons(self):
         """DataError unless some label is a polygon (from boxes alone masks would be rectangles)."""
-        if not any(len(label["segments"]) for label in self.labels):
+        if not any(label["segments"] for label in self.labels):
             raise DataError(f"{self.prefix}a segmentation model needs polygon labels: boxes only")
 
     def __len__(self):
@@ -378,10 +378,6 @@ def load_rgb(path, scale=1.0):
     return to_rgb8(image)
 
 
-def center_square(im):
-    return v2.functional.center_crop(im, min(im.size))
-
-
 class ClassifyDataset(ImageFolder):
     """ImageFolder split (root/<class>/*) as samples: `image` uint8 (3,imgsz,imgsz) RGB, `targets`
     int64 (1,1) [cls], `shape` the original (h, w), `path`, `index`. augment: the whole image
@@ -454,7 +450,7 @@ class ClassifyDataset(ImageFolder):
         image = load_rgb(self.samples[i][0])
         shape = (image.height, image.width)
         if not self.augment:
-            image = center_square(image)
+            image = v2.functional.center_crop(image, min(image.size))
         # The functional resize: v2.Compose's per-call overhead was twice the 64 px resize.
         image = v2.functional.resize(image, [self.imgsz, self.imgsz])
         # pil_to_tensor's (3, h, w) is a view of PIL's (h, w, 3) pixels: stacking 64 of them at

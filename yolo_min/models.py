@@ -38,12 +38,8 @@ class Conv(nn.Sequential):
         # channels_last, and the classifier's pool an NCHW one: on a CPU, SiLU's and BatchNorm's
         # backward run about 8x slower on those than on a dense channels_last gradient (bench/).
         if y.requires_grad and y.is_cpu and y.is_contiguous(memory_format=torch.channels_last):
-            y.register_hook(_dense_channels_last)
+            y.register_hook(lambda grad: grad.contiguous(memory_format=torch.channels_last))
         return y
-
-
-def _dense_channels_last(grad):
-    return grad.contiguous(memory_format=torch.channels_last)
 
 
 class Bottleneck(nn.Module):

@@ -450,7 +450,10 @@ def train_one_epoch(training, setup, epoch, epoch_seconds=None):
             last_step = iteration
         mean = (mean * i + values) / (i + 1)
         if iteration == 0 and detect and dist.is_main():
-            draw_first_batch(batch, names=de_parallel(model).names, save_dir=setup.save_dir)
+            # train_batch0.jpg: the first training batch with its labels, drawn in a thread
+            path = setup.save_dir / "train_batch0.jpg"
+            names = de_parallel(model).names
+            draw_later(batch["images"], batch["targets"], batch["masks"], fname=path, names=names)
         if i == 0:
             # the throughput leaves out the first batch (workers start)
             t0 = time.time()
@@ -469,12 +472,6 @@ def train_one_epoch(training, setup, epoch, epoch_seconds=None):
     # train_batch0.jpg is written before the epoch ends
     finish_drawing()
     return dict(zip(items, mean.tolist())), img_s
-
-
-def draw_first_batch(batch, names, save_dir):
-    """save_dir/train_batch0.jpg: the first training batch with its labels, drawn in a thread."""
-    path = save_dir / "train_batch0.jpg"
-    draw_later(batch["images"], batch["targets"], batch["masks"], fname=path, names=names)
 
 
 def peak_memory():

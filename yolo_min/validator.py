@@ -162,7 +162,8 @@ def infer(model, images, nms, amp):
     else NMS's detections per image; each image's prototypes (nm, H/4, W/4) or None; seconds)."""
     device = next(model.parameters()).device
     classify = model.task == "classify"
-    nm = model.head.nm if model.task == "segment" else 0
+    # a Detect head has no mask coefficients (nm 0), a Classify head none at all
+    nm = 0 if classify else model.head.nm
     start = now(device)
     x = preprocess(images, device, classify)
     preprocessed = now(device)
@@ -202,8 +203,9 @@ def speed_line(speed, at):
 def plot_batch(batch, dets, protos, prefix, names):
     """A batch's labels and predictions (conf >= 0.25): prefix_labels.jpg, prefix_pred.jpg."""
     images = batch["images"]
-    labels = f"{prefix}_labels.jpg"
-    plots.draw_later(images, batch["targets"], batch["masks"], fname=labels, names=names)
+    plots.draw_later(
+        images, batch["targets"], batch["masks"], fname=f"{prefix}_labels.jpg", names=names
+    )
     preds = [det[det[:, 4] >= 0.25] for det in dets]
     masks = None
     if protos[0] is not None:
