@@ -820,16 +820,16 @@ def print_start(setup, info, amp):
 
 def autoanchor(model, train_set, threshold, args):
     """AutoAnchor on rank 0, in pixels; every rank gets its anchors, in grid units."""
-    stride = model.stride.view(-1, 1, 1).to(model.head.anchors)
-    pixels = (model.head.anchors * stride).view(-1, 2).cpu().numpy()
+    # the head's buffer (nl, na, 2), in grid units, set in place
+    anchors = model.head.anchors
+    stride = model.stride.view(-1, 1, 1).to(anchors)
+    pixels = (anchors * stride).view(-1, 2).cpu().numpy()
     new = dist.run_on_main(
         lambda: check_anchors(train_set.labels, pixels, threshold, imgsz=args.imgsz, seed=args.seed)
     )
     if new is not None:
         # pixels -> grid units
-        model.head.anchors[:] = (
-            torch.from_numpy(new).to(stride).view_as(model.head.anchors) / stride
-        )
+        anchors[:] = torch.from_numpy(new).to(stride).view_as(anchors) / stride
 
 
 # ---------------------------------------------------------------- resume and save
