@@ -84,13 +84,6 @@ def make_run_dir(args, hyp, run_id, need_bytes):
     return path
 
 
-def restore_results(ckpt, run):
-    """results.csv as the checkpoint (checked by `load`: a str if there) saved it (the rows of the
-    epochs it holds), if it holds one: a crash between the checkpoint and its row loses no row."""
-    if "results_csv" in ckpt:
-        (run / "results.csv").write_text(ckpt["results_csv"])
-
-
 def find_resume(args, run_id):
     """(path, checkpoint) to continue from: --resume (a run's last.pt, or the newest run's under
     --project), or after a torchrun restart this run's own last.pt. None: a new run. The run

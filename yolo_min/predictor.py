@@ -347,7 +347,7 @@ def to_original(det, protos, sample, input_hw, polygons):
     out = {"boxes": rows, "masks": None}
     if protos is None:
         return out
-    masks = ops.process_mask(protos, det, input_hw=input_hw)
+    masks = ops.process_mask(protos, det, input_hw)
     out["masks"] = ops.scale_masks(masks, ratio_pad, (h, w)).cpu()
     if polygons:
         # traced at input resolution, as yolov5 does

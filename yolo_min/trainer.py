@@ -611,8 +611,10 @@ def prepare(args, info, given=None):
         save_dir = dist.run_on_main(
             lambda: checkpoint.make_run_dir(args, hyp, run_id, need_bytes=need)
         )
-        if ckpt:
-            dist.run_on_main(checkpoint.restore_results, ckpt, save_dir)
+        # results.csv as the checkpoint saved it (the rows of the epochs it holds; `load` checked
+        # it is a str), where it holds one: a crash between the checkpoint and its row loses no row
+        if ckpt and "results_csv" in ckpt:
+            dist.run_on_main(lambda: (save_dir / "results.csv").write_text(ckpt["results_csv"]))
     # DataError and CheckpointError are ValueErrors
     except (ValueError, OSError, RuntimeError, yaml.YAMLError) as e:
         raise ConfigError(first_line(e)) from None

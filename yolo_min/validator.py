@@ -85,7 +85,7 @@ def score_image(dataset, index, det, shape, input_hw, protos, cat_ids):
         wanted = (near & same).any(1) | (cat_ids is not None)
         iou = gt_boxes.new_zeros(len(det), len(gt_masks))
         for idx in wanted.nonzero().squeeze(1).split(MASK_CHUNK):
-            masks = ops.process_mask(protos, det[idx], input_hw=input_hw)
+            masks = ops.process_mask(protos, det[idx], input_hw)
             masks = ops.scale_masks(masks, ratio_pad, orig_hw)
             iou[idx] = ops.mask_iou(masks, gt_masks)
             if cat_ids:
@@ -211,7 +211,7 @@ def plot_batch(batch, dets, protos, prefix, names):
     if protos[0] is not None:
         input_hw = images.shape[2:]
         pairs = zip(protos, preds)
-        masks = [ops.process_mask(proto, det, input_hw=input_hw) for proto, det in pairs]
+        masks = [ops.process_mask(proto, det, input_hw) for proto, det in pairs]
     plots.draw_later(images, preds=preds, masks=masks, fname=f"{prefix}_pred.jpg", names=names)
 
 
