@@ -310,8 +310,10 @@ class YOLOLoss:
             obj_target = torch.zeros(level_map.shape[:4], dtype=level_map.dtype, device=device)
             if len(positives.image):
                 pred = level_map[positives.cells]
-                pred_box = self._pred_boxes(pred, positives.anchor_wh)
-                iou = bbox_ciou(pred_box, positives.target_box)
+                # The predicted boxes (n, 4), grid xywh, xy from the cell's corner.
+                xy = pred[:, :2].sigmoid() * 2 - 0.5
+                wh = (pred[:, 2:4].sigmoid() * 2) ** 2 * positives.anchor_wh
+                iou = bbox_ciou(torch.cat((xy, wh), 1), positives.target_box)
                 box_loss += (1.0 - iou).mean()
                 self._set_obj_target(obj_target, positives, iou)
                 # A single class needs no classifier: objectness covers it.
@@ -339,13 +341,6 @@ class YOLOLoss:
         # The summed per-image losses of the global batch, as DDP averages gradients over ranks.
         loss = sum(items.values()) * batch_size * self.world_size
         return loss, {name: value.detach()[0] for name, value in items.items()}
-
-    @staticmethod
-    def _pred_boxes(pred, anchor_wh):
-        """(n, 4) grid xywh of the positives' predictions (n, no), xy from the cell's corner."""
-        xy = pred[:, :2].sigmoid() * 2 - 0.5
-        wh = (pred[:, 2:4].sigmoid() * 2) ** 2 * anchor_wh
-        return torch.cat((xy, wh), 1)
 
     @staticmethod
     def _set_obj_target(obj_target, positives, iou):
